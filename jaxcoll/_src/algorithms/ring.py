@@ -1,0 +1,62 @@
+"""Ring algorithms (Patarasuk and Yuan 2009; the NCCL ring).
+
+With N ranks and a message of M bytes:
+  reduce_scatter "ring":        N-1 steps, (N-1)/N * M bytes sent per rank.
+  all_gather "ring":            N-1 steps, (N-1)/N * M (M = the gathered output).
+  all_reduce "ring":            2(N-1) steps, 2(N-1)/N * M (reduce-scatter + all-gather).
+  all_reduce "bidirectional_ring": the same steps and bytes, half of the buffer
+    on a ring each way, so both directions of every link carry (N-1)/N * M.
+Every step has one fixed permutation (r -> r+1), so the executor runs long
+rings as a loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jaxcoll._src.algorithms import register
+from jaxcoll._src.algorithms.common import Rounds, build, merge
+from jaxcoll._src.schedule import Message
+
+ChunksOf = Callable[[int], tuple[int, ...]]
+
+
+def _block(b: int) -> tuple[int, ...]:
+  return (b,)
+
+
+def reduce_scatter_rounds(n: int, chunks: ChunksOf = _block, direction: int = 1) -> Rounds:
+  """Block b accumulates along the ring and ends complete at rank b."""
+  return [[Message(r, (r + direction) % n, chunks((r - direction * (s + 1)) % n),
+                   chunks((r - direction * (s + 1)) % n), "reduce") for r in range(n)]
+          for s in range(n - 1)]
+
+
+def all_gather_rounds(n: int, chunks: ChunksOf = _block, direction: int = 1) -> Rounds:
+  """Rank r starts with block r; in round s it forwards block r - s."""
+  return [[Message(r, (r + direction) % n, chunks((r - direction * s) % n),
+                   chunks((r - direction * s) % n), "copy") for r in range(n)]
+          for s in range(n - 1)]
+
+
+@register("reduce_scatter", "ring")
+def reduce_scatter(n: int):
+  return build("reduce_scatter", "ring", n, n, reduce_scatter_rounds(n))
+
+
+@register("all_gather", "ring")
+def all_gather(n: int):
+  return build("all_gather", "ring", n, n, all_gather_rounds(n))
+
+
+@register("all_reduce", "ring")
+def all_reduce(n: int):
+  return build("all_reduce", "ring", n, n, reduce_scatter_rounds(n), all_gather_rounds(n))
+
+
+@register("all_reduce", "bidirectional_ring")
+def all_reduce_bidirectional(n: int):
+  upper = lambda b: (n + b,)  # noqa: E731
+  return build("all_reduce", "bidirectional_ring", n, 2 * n,
+               merge(reduce_scatter_rounds(n), reduce_scatter_rounds(n, upper, -1)),
+               merge(all_gather_rounds(n), all_gather_rounds(n, upper, -1)))

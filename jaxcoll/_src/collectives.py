@@ -1,0 +1,245 @@
+"""The public collectives: argument checks, pytrees, layout, and the call into the executor.
+
+Every function runs inside ``jax.shard_map`` and has the semantics of its
+``jax.lax`` counterpart (``psum``/``pmax``/``pmin``/``pmean``,
+``psum_scatter``, ``all_gather``); ``broadcast`` and ``reduce`` are the rooted
+collectives lax lacks. Results that are replicated over the axis (all_reduce,
+broadcast, all_gather with ``to="invarying"``) are typed invariant, like
+lax's, so they may leave shard_map with ``out_specs=P()``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxcoll._src import axes as axes_lib
+from jaxcoll._src import dispatch, layout, ops
+from jaxcoll._src.algorithms import NATIVE, schedule
+from jaxcoll._src.executor import execute
+from jaxcoll._src.replicated import check_vma_enabled, make_varying, mark_invariant
+
+_NATIVE_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin, "mean": lax.pmean}
+
+
+def _prepare(x, op: str | None):
+  """The leaf as an array in the dtype the collective computes in (bool sums count as int32)."""
+  x = jnp.asarray(x)
+  if op is not None:
+    ops.check_op(op, x.dtype)
+    if x.dtype == bool and op in ("sum", "mean"):
+      x = x.astype(jnp.int32)
+  return x
+
+
+def _check_accumulate(accumulate_dtype, dtype):
+  if accumulate_dtype is None:
+    return None
+  acc = np.dtype(accumulate_dtype)
+  if not (jnp.issubdtype(dtype, jnp.inexact) and jnp.issubdtype(acc, jnp.inexact)):
+    raise ValueError(f"accumulate_dtype={acc.name} applies to floating inputs with a floating "
+                     f"accumulator; got input dtype {np.dtype(dtype).name}")
+  return acc if acc != dtype else None
+
+
+def _finish_mean(y, op: str, n: int):
+  return y / n if op == "mean" else y
+
+
+def _replicated(y, axes):
+  return mark_invariant(y, axes) if check_vma_enabled(axes) else y
+
+
+def _run(primitive, algorithm, n, flat, axes, *, op="sum", root=0, accumulate=None):
+  """Runs ``algorithm``'s schedule on one rank's flat buffer; returns the final rows."""
+  sched = schedule(primitive, algorithm, n, root=root)
+  work = flat if accumulate is None else flat.astype(accumulate)
+  rows = layout.to_rows(jnp, work, sched)
+  if primitive == "all_gather":
+    piece = layout.block(jnp, work, sched, rows.shape[1])
+    rank = lax.axis_index(axes)
+    rows = lax.dynamic_update_slice_in_dim(make_varying(rows, axes), piece,
+                                           rank * sched.blocks_per_rank, axis=0)
+  rows = execute(sched, make_varying(rows, axes), axes, op=op,
+                 copy_dtype=None if accumulate is None else flat.dtype)
+  return sched, rows
+
+
+def _map_leaves(fn, x):
+  leaves, tree = jax.tree.flatten(x)
+  return jax.tree.unflatten(tree, [fn(leaf) for leaf in leaves])
+
+
+def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
+               accumulate_dtype=None):
+  """Reduces x over ``axis_name``; every device gets the result (like ``lax.psum``).
+
+  Args:
+    x: a pytree of arrays, any shape and dtype lax accepts for ``op``.
+    axis_name: the mesh axis of the enclosing shard_map.
+    op: "sum", "prod", "min", "max" or "mean" (``lax.pmean``: sum / N).
+    algorithm: "auto" or a name from ``algorithms("all_reduce")``.
+    accumulate_dtype: e.g. "float32" for bfloat16 data: partial sums travel and
+      combine in this dtype and are rounded once at the end (reduce steps send
+      itemsize(accumulate)/itemsize(x) times the bytes). None: each combine
+      computes in float32 and rounds to x's dtype (NCCL's behaviour).
+
+  Returns:
+    The reduction, typed invariant over ``axis_name``. Cost (ring): 2(N-1)
+    steps, 2(N-1)/N * M bytes per device; see each algorithm's schedule.
+  """
+  axes = axes_lib.normalize(axis_name)
+  n = axes_lib.size(axes)
+
+  def leaf(x):
+    x = _prepare(x, op)
+    acc = _check_accumulate(accumulate_dtype, x.dtype)
+    algo = dispatch.resolve("all_reduce", algorithm, axis_size=n, nbytes=x.nbytes)
+    if algo == NATIVE:
+      if op == "prod":
+        return _replicated(jnp.prod(lax.all_gather(x, axes), axis=0, dtype=x.dtype), axes)
+      return _NATIVE_REDUCE[op](x, axes)
+    x = make_varying(x, axes)
+    _, rows = _run("all_reduce", algo, n, x.reshape(-1), axes, op=op, accumulate=acc)
+    y = rows.reshape(-1)[:x.size].reshape(x.shape).astype(x.dtype)
+    return _replicated(_finish_mean(y, op, n), axes)
+
+  return _map_leaves(leaf, x)
+
+
+def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False,
+                   op: str = "sum", algorithm: str = "auto", accumulate_dtype=None):
+  """Reduces x over ``axis_name`` and scatters the result (like ``lax.psum_scatter``).
+
+  Device r gets block r of the reduction along ``scatter_dimension``: with
+  ``tiled=False`` that dimension must equal N and is removed; with
+  ``tiled=True`` it must be divisible by N and shrinks N-fold.
+  Cost (ring): N-1 steps, (N-1)/N * M bytes per device (M = the input).
+  """
+  axes = axes_lib.normalize(axis_name)
+  n = axes_lib.size(axes)
+
+  def leaf(x):
+    x = _prepare(x, op)
+    acc = _check_accumulate(accumulate_dtype, x.dtype)
+    d = _normalize_dim(scatter_dimension, x.ndim, "scatter_dimension")
+    extent = x.shape[d]
+    if (not tiled and extent != n) or (tiled and extent % n):
+      need = f"equal to the axis size {n}" if not tiled else f"divisible by the axis size {n}"
+      raise ValueError(f"scatter_dimension={scatter_dimension}: x.shape[{d}] = {extent} must be "
+                       f"{need} (tiled={tiled})")
+    algo = dispatch.resolve("reduce_scatter", algorithm, axis_size=n, nbytes=x.nbytes)
+    if algo == NATIVE:
+      if op in ("sum", "mean"):
+        y = lax.psum_scatter(x, axes, scatter_dimension=d, tiled=tiled)
+        return _finish_mean(y, op, n)
+      full = all_reduce(x, axis_name, op=op, algorithm=NATIVE)
+      y = lax.dynamic_slice_in_dim(full, lax.axis_index(axes) * (extent // n), extent // n, d)
+      return y if tiled else jnp.squeeze(y, d)
+    x = make_varying(x, axes)
+    moved = jnp.moveaxis(x, d, 0)
+    sched, rows = _run("reduce_scatter", algo, n, moved.reshape(-1), axes, op=op,
+                       accumulate=acc)
+    b = sched.blocks_per_rank
+    mine = lax.dynamic_slice_in_dim(rows, lax.axis_index(axes) * b, b, axis=0)
+    y = layout.from_rows(jnp, mine, sched, moved.size).astype(x.dtype)
+    y = jnp.moveaxis(y.reshape((extent // n,) + moved.shape[1:]), 0, d)
+    return _finish_mean(y if tiled else jnp.squeeze(y, d), op, n)
+
+  return _map_leaves(leaf, x)
+
+
+def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: str = "auto",
+               to: str = "varying"):
+  """Gathers x from every device along ``axis`` (like ``lax.all_gather``).
+
+  ``tiled=False`` stacks the N pieces along a new dimension ``axis``;
+  ``tiled=True`` concatenates them along the existing ``axis``. ``to`` is
+  lax's: "varying" (default) or "invarying" (typed invariant, for
+  ``out_specs=P()``). Cost (ring): N-1 steps, (N-1)/N * M bytes per device
+  (M = the gathered output).
+  """
+  if to not in ("varying", "invarying", "invariant"):
+    raise ValueError(f"to={to!r}: expected 'varying' or 'invarying'")
+  axes = axes_lib.normalize(axis_name)
+  n = axes_lib.size(axes)
+
+  def leaf(x):
+    x = _prepare(x, None)
+    if tiled:
+      if x.ndim == 0:
+        raise ValueError("all_gather with tiled=True needs x with at least one dimension")
+      a = _normalize_dim(axis, x.ndim, "axis")
+    else:
+      a = _normalize_dim(axis, x.ndim + 1, "axis")
+    algo = dispatch.resolve("all_gather", algorithm, axis_size=n, nbytes=x.nbytes * n)
+    if algo == NATIVE:
+      return lax.all_gather(x, axes, axis=a, tiled=tiled,
+                            to="invarying" if to != "varying" else "varying")
+    sched, rows = _run("all_gather", algo, n, make_varying(x, axes).reshape(-1), axes)
+    y = jnp.moveaxis(layout.from_rows(jnp, rows, sched, x.size).reshape((n,) + x.shape), 0, a)
+    if tiled:
+      y = y.reshape(x.shape[:a] + (n * x.shape[a],) + x.shape[a + 1:])
+    return y if to == "varying" else _replicated(y, axes)
+
+  return _map_leaves(leaf, x)
+
+
+def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "auto"):
+  """Every device gets the ``root`` device's x (typed invariant over the axis).
+
+  Cost (binomial_tree): ceil(log2 N) steps, ceil(log2 N) * M bytes at the root;
+  (scatter_allgather): ceil(log2 N) + N - 1 steps, 2(N-1)/N * M.
+  """
+  axes = axes_lib.normalize(axis_name)
+  n = axes_lib.size(axes)
+  _check_root(root, n)
+
+  def leaf(x):
+    x = _prepare(x, None)
+    algo = dispatch.resolve("broadcast", algorithm, axis_size=n, nbytes=x.nbytes)
+    if algo == NATIVE:
+      wide = x.astype(jnp.int32) if x.dtype == bool else x
+      mine = jnp.where(lax.axis_index(axes) == root, wide, jnp.zeros_like(wide))
+      return lax.psum(mine, axes).astype(x.dtype)
+    _, rows = _run("broadcast", algo, n, make_varying(x, axes).reshape(-1), axes, root=root)
+    return _replicated(rows.reshape(-1)[:x.size].reshape(x.shape), axes)
+
+  return _map_leaves(leaf, x)
+
+
+def reduce(x, axis_name, *, root: int = 0, op: str = "sum", algorithm: str = "auto"):
+  """The ``root`` device gets the reduction of x over the axis; every other device zeros.
+
+  Cost (binomial_tree): ceil(log2 N) steps, M bytes per device;
+  (reduce_scatter_gather): N - 1 + ceil(log2 N) steps, at most 1.5 M.
+  """
+  axes = axes_lib.normalize(axis_name)
+  n = axes_lib.size(axes)
+  _check_root(root, n)
+
+  def leaf(x):
+    x = _prepare(x, op)
+    algo = dispatch.resolve("reduce", algorithm, axis_size=n, nbytes=x.nbytes)
+    if algo == NATIVE:
+      y = make_varying(all_reduce(x, axis_name, op=op, algorithm=NATIVE), axes)
+    else:
+      _, rows = _run("reduce", algo, n, make_varying(x, axes).reshape(-1), axes,
+                     op=op, root=root)
+      y = _finish_mean(rows.reshape(-1)[:x.size].reshape(x.shape), op, n)
+    return jnp.where(lax.axis_index(axes) == root, y, jnp.zeros_like(y))
+
+  return _map_leaves(leaf, x)
+
+
+def _check_root(root, n):
+  if not isinstance(root, (int, np.integer)) or not 0 <= root < n:
+    raise ValueError(f"root={root!r} must be an int in [0, {n}) for an axis of size {n}")
+
+
+def _normalize_dim(dim, ndim: int, argument: str) -> int:
+  if not isinstance(dim, (int, np.integer)) or not -ndim <= dim < ndim:
+    raise ValueError(f"{argument}={dim!r} is out of range for {ndim} dimension(s)")
+  return int(dim) % ndim

@@ -1,0 +1,153 @@
+"""The one executor: any :class:`~jaxcoll._src.schedule.Schedule` as ppermute code.
+
+This is the only module that calls ``jax.lax.ppermute``. It runs inside
+``shard_map`` on one rank's buffer of rows ``[C, L]`` (plus scratch rows that
+ranks which receive nothing in a transfer write to, so every rank runs the same
+code). Chunk indices come from NumPy tables indexed by ``lax.axis_index``.
+
+Per transfer of a step: read the rows to send (``dynamic_slice`` when each
+rank's rows are contiguous, a gather otherwise), one ``ppermute``, then
+combine into the destination rows in place (``dynamic_update_slice`` of
+``op(old, received)``, or of the received rows for a copy). No step copies or
+concatenates the whole buffer.
+
+Consecutive steps with the same structure (same permutations, chunk counts and
+combines; only the chunk indices differ, as in every ring) form a phase. A
+phase of at least ``LOOP_MIN_STEPS`` steps runs as one ``lax.fori_loop`` over
+per-step tables, so a ring on N ranks compiles to two ppermutes however large N
+is; shorter phases unroll, which is faster for XLA on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxcoll._src import ops
+from jaxcoll._src.schedule import Schedule
+
+LOOP_MIN_STEPS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _TransferPlan:
+  perm: tuple[tuple[int, int], ...]
+  rows: int
+  combine: str
+  send_contiguous: bool
+  recv_contiguous: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Phase:
+  transfers: tuple[_TransferPlan, ...]
+  send: tuple[np.ndarray, ...]   # per transfer: [T, N] starts or [T, N, rows] indices
+  recv: tuple[np.ndarray, ...]
+
+  @property
+  def num_steps(self) -> int:
+    return self.send[0].shape[0] if self.send else 0
+
+
+def _is_run(chunks) -> bool:
+  return all(b == a + 1 for a, b in zip(chunks, chunks[1:]))
+
+
+@functools.lru_cache(maxsize=1024)
+def plan(schedule: Schedule) -> tuple[_Phase, ...]:
+  """Groups the schedule's steps into phases with per-rank index tables."""
+  n, scratch = schedule.axis_size, schedule.num_chunks
+  phases: list[tuple[tuple[_TransferPlan, ...], list, list]] = []
+  for step in schedule.steps:
+    sends, recvs, plans = [], [], []
+    for t in step.transfers:
+      k = t.chunks_per_message
+      send = np.zeros((n, k), np.int32)
+      recv = np.tile(np.arange(scratch, scratch + k, dtype=np.int32), (n, 1))
+      send[list(t.src)] = t.send_chunks
+      recv[list(t.dst)] = t.recv_chunks
+      plans.append(_TransferPlan(t.perm, k, t.combine, all(map(_is_run, t.send_chunks)),
+                                 all(map(_is_run, t.recv_chunks))))
+      sends.append(send)
+      recvs.append(recv)
+    key = tuple(plans)
+    if phases and phases[-1][0] == key:
+      phases[-1][1].append(sends)
+      phases[-1][2].append(recvs)
+    else:
+      phases.append((key, [sends], [recvs]))
+  out = []
+  for key, sends, recvs in phases:
+    def stack(tables, contiguous, j):
+      arr = np.stack([s[j] for s in tables])
+      return arr[..., 0] if contiguous else arr
+    out.append(_Phase(key,
+                      tuple(stack(sends, p.send_contiguous, j) for j, p in enumerate(key)),
+                      tuple(stack(recvs, p.recv_contiguous, j) for j, p in enumerate(key))))
+  return tuple(out)
+
+
+def _read(rows, index, plan_: _TransferPlan, contiguous: bool):
+  if contiguous:
+    return lax.dynamic_slice_in_dim(rows, index, plan_.rows, axis=0)
+  return jnp.take(rows, index, axis=0, mode="clip")
+
+
+def _write(rows, index, value, contiguous: bool):
+  if contiguous:
+    return lax.dynamic_update_slice_in_dim(rows, value, index, axis=0)
+  return rows.at[index].set(value, mode="promise_in_bounds")
+
+
+def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
+            copy_dtype=None, loop_min_steps: int = LOOP_MIN_STEPS) -> jax.Array:
+  """Runs ``schedule`` on this rank's ``rows`` (``[C, L]``) inside shard_map.
+
+  Args:
+    schedule: the schedule.
+    rows: this rank's buffer, already varying over ``axis_name``.
+    axis_name: the mesh axis (or tuple) the schedule runs over.
+    op: the reduction op of reduce transfers.
+    copy_dtype: dtype that copy transfers carry on the wire (the output dtype
+      when ``rows`` hold float32 partial sums); None keeps ``rows.dtype``.
+    loop_min_steps: phases at least this long run as a ``fori_loop``.
+
+  Returns:
+    The rows after the last step (scratch rows removed).
+  """
+  if schedule.num_chunks != rows.shape[0]:
+    raise ValueError(f"rows has {rows.shape[0]} chunks, the schedule needs {schedule.num_chunks}")
+  if not schedule.steps:
+    return rows
+  rank = lax.axis_index(axis_name)
+  if schedule.scratch_rows:
+    rows = jnp.concatenate([rows, jnp.zeros((schedule.scratch_rows,) + rows.shape[1:],
+                                            rows.dtype)])
+
+  def run_step(phase: _Phase, rows, t):
+    received = []
+    for p, table in zip(phase.transfers, phase.send):
+      data = _read(rows, jnp.asarray(table)[t, rank], p, p.send_contiguous)
+      if p.combine == "copy" and copy_dtype is not None:
+        data = data.astype(copy_dtype)
+      received.append(lax.ppermute(data, axis_name, p.perm))
+    for p, table, data in zip(phase.transfers, phase.recv, received):
+      index = jnp.asarray(table)[t, rank]
+      if p.combine == "reduce":
+        data = ops.combine(jnp, op, _read(rows, index, p, p.recv_contiguous), data)
+      rows = _write(rows, index, data.astype(rows.dtype), p.recv_contiguous)
+    return rows
+
+  for phase in plan(schedule):
+    if phase.num_steps >= loop_min_steps:
+      rows = lax.fori_loop(0, phase.num_steps,
+                           lambda t, rows, phase=phase: run_step(phase, rows, t), rows)
+    else:
+      for t in range(phase.num_steps):
+        rows = run_step(phase, rows, t)
+  return rows[:schedule.num_chunks]

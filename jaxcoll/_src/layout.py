@@ -1,0 +1,73 @@
+"""How a flat message maps onto a schedule's rows of chunks (NumPy or jax.numpy).
+
+Unblocked primitives (all_reduce, broadcast, reduce) pad the flat buffer of
+``size`` elements to ``C * ceil(size / C)`` and view it as ``C`` rows. Blocked
+primitives (reduce_scatter, all_gather) keep rank r's block in rows
+``[r*b, (r+1)*b)`` (``b = C / N``), each block padded on its own, so padding never
+moves data across a block boundary. ``xp`` is ``numpy`` or ``jax.numpy``; the
+rank is a Python int (the NumPy simulator) or ``None`` (the executor, which
+places and extracts the block itself with dynamic slices).
+"""
+
+from __future__ import annotations
+
+import math
+
+BLOCKED = ("reduce_scatter", "all_gather")
+
+
+def row_length(schedule, size: int) -> int:
+  """Elements per chunk for a message of ``size`` elements (the piece, for all_gather)."""
+  b = schedule.blocks_per_rank
+  if schedule.primitive == "reduce_scatter":
+    return math.ceil(size // schedule.axis_size / b)
+  if schedule.primitive == "all_gather":
+    return math.ceil(size / b)
+  return math.ceil(size / schedule.num_chunks)
+
+
+def pad_to(xp, flat, length: int):
+  return flat if flat.shape[-1] == length else xp.pad(
+      flat, [(0, 0)] * (flat.ndim - 1) + [(0, length - flat.shape[-1])])
+
+
+def block(xp, flat, schedule, length: int):
+  """A rank's own piece as its ``b`` rows (all_gather input)."""
+  b = schedule.blocks_per_rank
+  return pad_to(xp, flat, b * length).reshape(b, length)
+
+
+def to_rows(xp, flat, schedule, rank: int | None = None):
+  """The ``[C, L]`` starting buffer of one rank (all_gather: needs ``rank``)."""
+  n, c = schedule.axis_size, schedule.num_chunks
+  size = flat.shape[0]
+  length = row_length(schedule, size)
+  if schedule.primitive == "all_gather":
+    b = schedule.blocks_per_rank
+    rows = xp.zeros((c, length), flat.dtype)
+    if rank is None:
+      return rows
+    rows[rank * b:(rank + 1) * b] = block(xp, flat, schedule, length)
+    return rows
+  if schedule.primitive == "reduce_scatter":
+    if size % n:
+      raise ValueError(f"reduce_scatter needs a size divisible by {n}, got {size}")
+    b = schedule.blocks_per_rank
+    return pad_to(xp, flat.reshape(n, size // n), b * length).reshape(c, length)
+  return pad_to(xp, flat, c * length).reshape(c, length)
+
+
+def from_rows(xp, rows, schedule, size: int, rank: int | None = None):
+  """The flat result of one rank from its final ``[C, L]`` buffer.
+
+  For reduce_scatter with ``rank=None`` the caller passes the rank's own ``b``
+  rows (already sliced out) instead of the whole buffer.
+  """
+  n = schedule.axis_size
+  if schedule.primitive == "all_gather":
+    return rows.reshape(n, -1)[:, :size].reshape(-1)
+  if schedule.primitive == "reduce_scatter":
+    b = schedule.blocks_per_rank
+    mine = rows if rank is None else rows[rank * b:(rank + 1) * b]
+    return mine.reshape(-1)[:size // n]
+  return rows.reshape(-1)[:size]

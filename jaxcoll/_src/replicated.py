@@ -1,0 +1,68 @@
+"""Marking a result that a schedule proved replicated as invariant over its axes.
+
+``jax.lax.psum`` returns a value that is *invariant* over the reduced axes (it
+may leave ``shard_map`` with ``out_specs=P()``), but every ``ppermute`` result
+is *varying*, and JAX has no public varying-to-invariant cast. This module
+defines the one private primitive jaxcoll needs for that: ``mark_invariant``,
+the identity on values, whose abstract evaluation drops the axes from the
+aval's varying set.
+
+Its transpose sends the (invariant) cotangent to rank 0 of the axes and zeros
+elsewhere. For y = cast(S(x)) where the schedule S leaves every rank with the
+same h(x), S's transpose sums the per-rank cotangents, so this gives exactly
+h^T(ct): the cotangent of the lax collective, bit for bit.
+
+It relies on jax internals (``jax.extend.core.Primitive``, ``aval.mat``,
+``ad.deflinear2``, ``batching.primitive_batchers``, ``mlir.register_lowering``);
+``tests/test_replicated.py`` fails loudly when a JAX release changes them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+mark_invariant_p = Primitive("jaxcoll_mark_invariant")
+
+
+def mark_invariant(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """Returns x, typed invariant over ``axes`` (the caller guarantees equal values)."""
+  varying = jax.typeof(x).mat.varying
+  axes = tuple(a for a in axes if a in varying)
+  return mark_invariant_p.bind(x, axes=axes) if axes else x
+
+
+def check_vma_enabled(axes: tuple[str, ...]) -> bool:
+  """True inside ``shard_map(check_vma=True)``: there ``axis_index`` is typed varying."""
+  return bool(set(axes) & jax.typeof(lax.axis_index(axes)).mat.varying)
+
+
+def make_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """``lax.pcast(x, ..., to='varying')`` over the axes of ``axes`` x is not yet varying in."""
+  missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _abstract_eval(aval, *, axes):
+  return aval.update(manual_axis_type=aval.mat.update(varying=aval.mat.varying - set(axes)))
+
+
+def _transpose(ct, x, *, axes):
+  del x
+  ct = make_varying(ct, axes)
+  return (jnp.where(lax.axis_index(axes) == 0, ct, jnp.zeros_like(ct)),)
+
+
+def _batch(vals, dims, *, axes):
+  (x,), (d,) = vals, dims
+  return mark_invariant_p.bind(x, axes=axes), d
+
+
+mark_invariant_p.def_abstract_eval(_abstract_eval)
+mark_invariant_p.def_impl(lambda x, *, axes: x)
+mlir.register_lowering(mark_invariant_p, lambda ctx, x, *, axes: [x])
+ad.deflinear2(mark_invariant_p, _transpose)
+batching.primitive_batchers[mark_invariant_p] = _batch

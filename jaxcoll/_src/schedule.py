@@ -1,0 +1,238 @@
+"""Schedules as data: who sends which chunk to whom, and how it is combined.
+
+A collective's buffer is split into ``num_chunks`` equal chunks (rows). A
+:class:`Schedule` is a sequence of :class:`Step` s; within one step every
+:class:`Transfer` runs concurrently: all sends read the buffer as it was before
+the step, then every received message is combined into its destination rows,
+either reduced with the collective's op (``"reduce"``) or written over them
+(``"copy"``). One transfer is one ``jax.lax.ppermute``: a static permutation in
+which every message carries the same number of chunks.
+
+Nothing here imports JAX. The same object is run by the ppermute executor
+(:mod:`jaxcoll._src.executor`), priced by the cost model, and checked by the
+NumPy reference executor :meth:`Schedule.simulate`, which is vectorized over
+ranks so that schedules of thousands of ranks simulate in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+Combine = Literal["reduce", "copy"]
+PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+  """One point-to-point message of a step (a builder's unit, not stored)."""
+
+  src: int
+  dst: int
+  send_chunks: tuple[int, ...]
+  recv_chunks: tuple[int, ...]
+  combine: Combine
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+  """Messages of one step that form a single ``ppermute``.
+
+  Message ``i`` goes from ``src[i]`` to ``dst[i]``; the sender reads rows
+  ``send_chunks[i]`` of its buffer, the receiver combines the message into its
+  rows ``recv_chunks[i]``. Sources are distinct, destinations are distinct, and
+  every message carries ``chunks_per_message`` rows.
+  """
+
+  src: tuple[int, ...]
+  dst: tuple[int, ...]
+  send_chunks: tuple[tuple[int, ...], ...]
+  recv_chunks: tuple[tuple[int, ...], ...]
+  combine: Combine
+
+  def __post_init__(self):
+    n = len(self.src)
+    if not (n == len(self.dst) == len(self.send_chunks) == len(self.recv_chunks)) or n == 0:
+      raise ValueError("Transfer needs one src, dst, send and recv entry per message")
+    if len(set(self.src)) != n or len(set(self.dst)) != n:
+      raise ValueError(f"Transfer sources and destinations must be distinct: {self.perm}")
+    if len({len(c) for c in self.send_chunks + self.recv_chunks}) != 1:
+      raise ValueError("every message of a Transfer must carry the same number of chunks")
+    if self.combine not in ("reduce", "copy"):
+      raise ValueError(f"combine must be 'reduce' or 'copy', got {self.combine!r}")
+
+  @property
+  def perm(self) -> tuple[tuple[int, int], ...]:
+    """The static ``(source, destination)`` pairs, as ``lax.ppermute`` takes them."""
+    return tuple(zip(self.src, self.dst))
+
+  @property
+  def chunks_per_message(self) -> int:
+    return len(self.send_chunks[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """Transfers that run concurrently (all sends see the pre-step buffer)."""
+
+  transfers: tuple[Transfer, ...]
+
+  @staticmethod
+  def of(messages: Sequence[Message]) -> Step:
+    """Packs messages into as few ppermutes as their shapes allow.
+
+    Messages with the same chunk count and combine share a transfer as long
+    as no rank sends or receives twice in it.
+    """
+    groups: list[list[Message]] = []
+    for m in messages:
+      if len(m.send_chunks) != len(m.recv_chunks) or not m.send_chunks:
+        raise ValueError(f"message {m} must send as many chunks as it receives (>= 1)")
+      for g in groups:
+        if (len(g[0].send_chunks) == len(m.send_chunks) and g[0].combine == m.combine
+            and all(o.src != m.src and o.dst != m.dst for o in g)):
+          g.append(m)
+          break
+      else:
+        groups.append([m])
+    return Step(tuple(
+        Transfer(tuple(m.src for m in g), tuple(m.dst for m in g),
+                 tuple(tuple(m.send_chunks) for m in g),
+                 tuple(tuple(m.recv_chunks) for m in g), g[0].combine)
+        for g in groups))
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """A collective as data.
+
+  Attributes:
+    primitive: one of ``PRIMITIVES``.
+    algorithm: the algorithm's name.
+    axis_size: the number of ranks N.
+    num_chunks: C, the number of equal chunks the buffer is split into. For
+      ``reduce_scatter`` and ``all_gather`` C is a multiple of N and rank r's
+      block is chunks ``[r*C/N, (r+1)*C/N)``.
+    steps: the steps, run in order.
+    root: the root rank of ``broadcast`` and ``reduce``.
+
+  The buffer is the full message of M bytes: the per-device input of
+  all_reduce, reduce_scatter, broadcast and reduce, the per-device output of
+  all_gather. Rank r starts with its input there (all_gather: its piece in its
+  block, the rest zeros) and ends with: the reduction everywhere
+  (all_reduce); the reduction of its block in its block (reduce_scatter); every
+  rank's piece in place (all_gather); the root's buffer (broadcast); the
+  reduction at the root (reduce).
+  """
+
+  primitive: str
+  algorithm: str
+  axis_size: int
+  num_chunks: int
+  steps: tuple[Step, ...]
+  root: int = 0
+
+  def __post_init__(self):
+    if self.primitive not in PRIMITIVES:
+      raise ValueError(f"unknown primitive {self.primitive!r}; expected one of {PRIMITIVES}")
+    n, c = self.axis_size, self.num_chunks
+    if self.primitive in ("reduce_scatter", "all_gather") and c % n:
+      raise ValueError(f"{self.primitive} schedules need num_chunks divisible by axis_size")
+    for step in self.steps:
+      for t in step.transfers:
+        if not all(0 <= r < n for r in t.src + t.dst):
+          raise ValueError(f"rank out of range [0, {n}) in {t.perm}")
+        if not all(0 <= x < c for cs in t.send_chunks + t.recv_chunks for x in cs):
+          raise ValueError(f"chunk out of range [0, {c}) in step {step}")
+
+  @property
+  def num_steps(self) -> int:
+    """Number of sequential communication rounds (the alpha term's count)."""
+    return len(self.steps)
+
+  @property
+  def blocks_per_rank(self) -> int:
+    return self.num_chunks // self.axis_size
+
+  @functools.cached_property
+  def chunks_sent(self) -> np.ndarray:
+    """``[2, N]`` array: chunks each rank sends in reduce transfers (row 0) and copies (row 1)."""
+    sent = np.zeros((2, self.axis_size), np.int64)
+    for step in self.steps:
+      for t in step.transfers:
+        np.add.at(sent[0 if t.combine == "reduce" else 1], list(t.src), t.chunks_per_message)
+    return sent
+
+  def bytes_per_rank(self, nbytes: float, *, partial_sum_scale: float = 1.0) -> float:
+    """The most bytes any one rank sends over the whole schedule.
+
+    Args:
+      nbytes: M, the full buffer (see the class docstring).
+      partial_sum_scale: size factor of the partial sums that reduce transfers
+        carry: 2.0 when bfloat16 data accumulates in float32 on the wire.
+    """
+    reduce_chunks, copy_chunks = self.chunks_sent
+    per_rank = reduce_chunks * partial_sum_scale + copy_chunks
+    return float(per_rank.max(initial=0)) * nbytes / self.num_chunks
+
+  @functools.cached_property
+  def scratch_rows(self) -> int:
+    """Rows of scratch the executor needs for ranks that receive nothing in a transfer."""
+    rows = 0
+    for step in self.steps:
+      for t in step.transfers:
+        if len(t.dst) < self.axis_size:
+          rows = max(rows, t.chunks_per_message)
+    return rows
+
+  def relabel(self, root: int) -> Schedule:
+    """The same schedule with rank v played by rank (v + root) mod N."""
+    n = self.axis_size
+    shift = lambda ranks: tuple((r + root) % n for r in ranks)  # noqa: E731
+    steps = tuple(
+        Step(tuple(dataclasses.replace(t, src=shift(t.src), dst=shift(t.dst)) for t in s.transfers))
+        for s in self.steps)
+    return dataclasses.replace(self, steps=steps, root=(self.root + root) % n)
+
+  def simulate(self, inputs: Sequence[np.ndarray], op: str = "sum") -> list[np.ndarray]:
+    """NumPy reference executor: runs the schedule on per-rank inputs, no JAX.
+
+    Args:
+      inputs: one array per rank: the full buffer (any shape, flattened) for
+        all_reduce, reduce_scatter, broadcast and reduce; the rank's piece for
+        all_gather.
+      op: "sum", "prod", "min" or "max". Float16/bfloat16 combines compute in
+        float32 and round once, as the JAX executor does.
+
+    Returns:
+      One flat array per rank: the buffer (all_reduce, broadcast, reduce,
+      all_gather) or the rank's block (reduce_scatter). Chunks are padded to
+      equal length internally and the padding is dropped.
+    """
+    from jaxcoll._src import (
+      layout,  # NumPy-only too
+      ops,  # local: ops is NumPy-only too
+    )
+
+    n = self.axis_size
+    if len(inputs) != n:
+      raise ValueError(f"simulate needs {n} inputs (one per rank), got {len(inputs)}")
+    flat = [np.asarray(x).reshape(-1) for x in inputs]
+    if len({f.size for f in flat}) != 1:
+      raise ValueError("every rank's input must have the same size")
+    size = flat[0].size
+    buf = np.stack([layout.to_rows(np, f, self, rank=r) for r, f in enumerate(flat)])
+    combine = functools.partial(ops.combine_numpy, op)
+    for step in self.steps:
+      sent = [buf[np.asarray(t.src)[:, None], np.asarray(t.send_chunks)] for t in step.transfers]
+      for t, data in zip(step.transfers, sent):
+        dst, rows = np.asarray(t.dst)[:, None], np.asarray(t.recv_chunks)
+        buf[dst, rows] = combine(buf[dst, rows], data) if t.combine == "reduce" else data
+    out = [layout.from_rows(np, buf[r], self, size, rank=r) for r in range(n)]
+    if self.primitive == "reduce":
+      out = [o if r == self.root else np.zeros_like(o) for r, o in enumerate(out)]
+    return out
