@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -27,8 +27,7 @@ Combine = Literal["reduce", "copy"]
 PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 
 
-@dataclasses.dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
   """One point-to-point message of a step (a builder's unit, not stored)."""
 
   src: int
@@ -88,22 +87,25 @@ class Step:
     Messages with the same chunk count and combine share a transfer as long
     as no rank sends or receives twice in it.
     """
-    groups: list[list[Message]] = []
+    groups: list[tuple[list[Message], set[int], set[int]]] = []
     for m in messages:
       if len(m.send_chunks) != len(m.recv_chunks) or not m.send_chunks:
         raise ValueError(f"message {m} must send as many chunks as it receives (>= 1)")
-      for g in groups:
+      for g, srcs, dsts in groups:
         if (len(g[0].send_chunks) == len(m.send_chunks) and g[0].combine == m.combine
-            and all(o.src != m.src and o.dst != m.dst for o in g)):
-          g.append(m)
+            and m.src not in srcs and m.dst not in dsts):
           break
       else:
-        groups.append([m])
-    return Step(tuple(
-        Transfer(tuple(m.src for m in g), tuple(m.dst for m in g),
-                 tuple(tuple(m.send_chunks) for m in g),
-                 tuple(tuple(m.recv_chunks) for m in g), g[0].combine)
-        for g in groups))
+        g, srcs, dsts = [], set(), set()
+        groups.append((g, srcs, dsts))
+      g.append(m)
+      srcs.add(m.src)
+      dsts.add(m.dst)
+    transfers = []
+    for g, _, _ in groups:
+      src, dst, send, recv, combine = zip(*g)
+      transfers.append(Transfer(src, dst, send, recv, combine[0]))
+    return Step(tuple(transfers))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from jaxcoll._src.schedule import PRIMITIVES, Schedule
 
 NATIVE = "native"
+ROOTED = ("broadcast", "reduce")
 _BUILDERS: dict[str, dict[str, Callable[..., Schedule]]] = {p: {} for p in PRIMITIVES}
 
 
@@ -62,6 +63,8 @@ def schedule(primitive: str, algorithm: str, axis_size: int, *, root: int = 0,
     raise ValueError(f"algorithm={algorithm!r} has no schedule; name a concrete algorithm")
   if not isinstance(axis_size, int) or axis_size < 1:
     raise ValueError(f"axis_size must be a positive int, got {axis_size!r}")
+  if root and primitive not in ROOTED:
+    raise ValueError(f"root={root}: only {ROOTED} have a root")
   if not 0 <= root < axis_size:
     raise ValueError(f"root={root} is out of range for an axis of size {axis_size}")
   built = _BUILDERS[primitive][algorithm](axis_size, **options)

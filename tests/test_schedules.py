@@ -1,0 +1,244 @@
+"""Schedules without JAX: the NumPy simulator against NumPy references, and cost formulas."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import jaxcoll
+from jaxcoll._src.algorithms.trees import double_binary_trees
+from jaxcoll._src.schedule import Step, Transfer
+
+SIZES = range(1, 9)
+SCHEDULED = [(p, a) for p in jaxcoll.PRIMITIVES for a in jaxcoll.algorithms(p) if a != "native"]
+
+
+def reference(primitive, xs, root, op="sum"):
+  fn = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max}[op]
+  total = fn(np.stack(xs), axis=0)
+  n = len(xs)
+  if primitive == "all_reduce":
+    return [total] * n
+  if primitive == "reduce_scatter":
+    return list(total.reshape(n, -1))
+  if primitive == "all_gather":
+    return [np.concatenate(xs)] * n
+  if primitive == "broadcast":
+    return [xs[root]] * n
+  return [total if r == root else np.zeros_like(total) for r in range(n)]
+
+
+@pytest.mark.parametrize("primitive,algorithm", SCHEDULED)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max"])
+def test_simulate_matches_reference(primitive, algorithm, n, op):
+  rng = np.random.default_rng(n)
+  roots = range(n) if primitive in ("broadcast", "reduce") else [0]
+  size = 3 * n if primitive != "all_gather" else 5
+  for root in roots:
+    sched = jaxcoll.schedule(primitive, algorithm, n, root=root)
+    xs = [rng.integers(-3, 4, size).astype(np.int64) for _ in range(n)]
+    for got, want in zip(sched.simulate(xs, op=op), reference(primitive, xs, root, op)):
+      np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("primitive,algorithm", SCHEDULED)
+@given(n=st.integers(1, 24), length=st.integers(1, 40))
+def test_simulate_any_size(primitive, algorithm, n, length):
+  rng = np.random.default_rng(length)
+  size = n * length if primitive == "reduce_scatter" else length
+  xs = [rng.integers(-100, 100, size).astype(np.int32) for _ in range(n)]
+  root = n - 1 if primitive in ("broadcast", "reduce") else 0
+  sched = jaxcoll.schedule(primitive, algorithm, n, root=root)
+  for got, want in zip(sched.simulate(xs), reference(primitive, xs, root)):
+    np.testing.assert_array_equal(got, want)
+
+
+def lg(n):
+  return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+def pow2_floor(n):
+  return 1 << (n.bit_length() - 1)
+
+
+def lowbit(v):
+  return v & -v
+
+
+def formula(primitive, algorithm, n):
+  """Closed-form (steps, bytes per rank / M) of every algorithm, written independently."""
+  p2 = pow2_floor(n)
+  p = p2.bit_length() - 1
+  odd = n != p2
+  ring = (n - 1) / n
+  table = {
+      ("all_reduce", "ring"): (2 * (n - 1), 2 * ring),
+      ("all_reduce", "bidirectional_ring"): (2 * (n - 1), 2 * ring),
+      ("all_reduce", "halving_doubling"):
+          (2 * p + 2, 2 * (p2 - 1) / p2 + 1) if odd else (2 * p, 2 * (p2 - 1) / p2),
+      ("all_reduce", "recursive_doubling"): (p + 2, p + 1) if odd else (p, p),
+      ("all_reduce", "binomial_tree"): (2 * lg(n), lg(n)),
+      ("reduce_scatter", "ring"): (n - 1, ring),
+      ("reduce_scatter", "direct"): (n - 1, ring),
+      ("all_gather", "ring"): (n - 1, ring),
+      ("all_gather", "bruck"): (lg(n), ring),
+      ("all_gather", "direct"): (n - 1, ring),
+      ("broadcast", "binomial_tree"): (lg(n), lg(n)),
+      ("broadcast", "scatter_allgather"): (lg(n) + n - 1, 2 * ring),
+      ("reduce", "binomial_tree"): (lg(n), 1.0 if n > 1 else 0.0),
+      ("reduce", "reduce_scatter_gather"):
+          (n - 1 + lg(n), max((n - 1 + min(lowbit(v), n - v)) / n for v in range(1, n))
+           if n > 1 else 0.0),
+  }
+  if (primitive, algorithm) == ("reduce_scatter", "halving_doubling"):
+    if not odd:
+      return p, (p2 - 1) / p2
+    return p + 2, 1.0  # the folded ranks hand over the whole buffer; halving sends less
+  if (primitive, algorithm) == ("all_gather", "recursive_doubling"):
+    return p, (p2 - 1) / p2
+  return table[primitive, algorithm]
+
+
+def all_gather_rd_bytes(n):
+  """Recursive-doubling all-gather with the fold: a partner carries 2 blocks and returns M."""
+  p2 = pow2_floor(n)
+  extra = n - p2
+  owned = [2 if v < extra else 1 for v in range(p2)]  # virtual v < e stands for two ranks
+  best = 0
+  for v in range(p2):
+    sent, mask = 0, 1
+    while mask < p2:
+      group = [u for u in range(p2) if u // mask == v // mask]
+      sent += sum(owned[u] for u in group)
+      mask <<= 1
+    best = max(best, sent + (n if v < extra else 0))
+  return p2.bit_length() - 1 + 2, best / n
+
+
+def double_binary_tree_formula(n, pipeline):
+  if n == 1:
+    return 0, 0.0
+  steps, sent = 0, np.zeros(n)
+  for parents in double_binary_trees(n):
+    children = {r: [c for c, q in enumerate(parents) if q == r] for r in range(n)}
+    root = parents.index(-1)
+
+    def height(r, children=children):
+      return 1 + max((height(c) for c in children[r]), default=-1)
+
+    def depth(r, root=root, parents=parents):
+      return 0 if r == root else 1 + depth(parents[r])
+
+    inner_depth = max(depth(r) for r in range(n) if children[r])
+    steps = max(steps, pipeline + height(root) + inner_depth)
+    for r in range(n):
+      sent[r] += 0.5 * ((parents[r] >= 0) + len(children[r]))
+  return steps, sent.max()
+
+
+@pytest.mark.parametrize("primitive,algorithm", SCHEDULED)
+@pytest.mark.parametrize("n", list(range(1, 17)) + [31, 32, 33, 100])
+def test_steps_and_bytes_equal_formula(primitive, algorithm, n):
+  sched = jaxcoll.schedule(primitive, algorithm, n)
+  if algorithm == "double_binary_tree":
+    steps, frac = double_binary_tree_formula(n, 4)
+  elif (primitive, algorithm) == ("all_gather", "recursive_doubling") and n != pow2_floor(n):
+    steps, frac = all_gather_rd_bytes(n)
+  else:
+    steps, frac = formula(primitive, algorithm, n)
+  if n == 1:
+    steps, frac = 0, 0.0
+  assert sched.num_steps == steps
+  if (primitive, algorithm) == ("reduce_scatter", "halving_doubling") and n != pow2_floor(n):
+    # the folded ranks send the whole buffer once; no rank sends more than that plus a block
+    assert 1.0 <= sched.bytes_per_rank(1.0) <= 1.0 + 1.0 / n
+  else:
+    assert sched.bytes_per_rank(1.0) == pytest.approx(frac)
+
+
+def test_double_binary_tree_pipeline_option():
+  for s in (1, 2, 8):
+    sched = jaxcoll.schedule("all_reduce", "double_binary_tree", 8, pipeline=s)
+    assert (sched.num_steps, sched.bytes_per_rank(1.0)) == pytest.approx(
+        double_binary_tree_formula(8, s))
+    xs = [np.arange(40) * (r + 1) for r in range(8)]
+    for got in sched.simulate(xs):
+      np.testing.assert_array_equal(got, np.sum(xs, 0))
+
+
+def test_double_binary_trees_are_complementary():
+  for n in (4, 8, 16, 7, 9):
+    first, second = double_binary_trees(n)
+    interior = [{p for p in t if p >= 0} for t in (first, second)]
+    # as in NCCL: no rank is interior in both trees (odd N: rank 0 alone is)
+    assert interior[0] & interior[1] == (set() if n % 2 == 0 else {0}), n
+
+
+def test_partial_sum_scale_counts_the_larger_reduce_phase():
+  ring = jaxcoll.schedule("all_reduce", "ring", 8)
+  assert ring.bytes_per_rank(1.0, partial_sum_scale=2.0) == pytest.approx(3 * 7 / 8)
+
+
+@pytest.mark.parametrize("algorithm", [a for a in jaxcoll.algorithms("all_reduce")
+                                       if a != "native"])
+def test_simulate_scales_to_1024_ranks(algorithm):
+  n = 1024
+  sched = jaxcoll.schedule("all_reduce", algorithm, n)  # building a ring: 2N steps of N messages
+  xs = np.arange(n * 2 * n, dtype=np.int64).reshape(n, 2 * n) % 7
+  start = time.perf_counter()
+  out = sched.simulate(list(xs))
+  assert time.perf_counter() - start < 15
+  for r in (0, 511, n - 1):
+    np.testing.assert_array_equal(out[r], xs.sum(0))
+
+
+def test_simulate_low_precision_rounds_once_per_combine():
+  sched = jaxcoll.schedule("all_reduce", "ring", 2)
+  a = np.array([1.0, 256.0], ml_dtypes.bfloat16)
+  b = np.array([2.0 ** -9, 1.0], ml_dtypes.bfloat16)
+  out = sched.simulate([a, b])
+  want = (a.astype(np.float32) + b.astype(np.float32)).astype(ml_dtypes.bfloat16)
+  np.testing.assert_array_equal(out[0], want)
+
+
+def test_invalid_schedules_raise():
+  with pytest.raises(ValueError, match="distinct"):
+    Transfer((0, 0), (1, 2), ((0,), (0,)), ((0,), (0,)), "reduce")
+  with pytest.raises(ValueError, match="same number of chunks"):
+    Transfer((0, 1), (1, 0), ((0,), (0, 1)), ((0,), (0, 1)), "copy")
+  with pytest.raises(ValueError, match="combine"):
+    Transfer((0,), (1,), ((0,),), ((0,),), "add")
+  t = Step((Transfer((0,), (3,), ((0,),), ((0,),), "copy"),))
+  with pytest.raises(ValueError, match="rank out of range"):
+    jaxcoll.Schedule("all_reduce", "x", 2, 1, (t,))
+  with pytest.raises(ValueError, match="algorithm='nope'"):
+    jaxcoll.schedule("all_reduce", "nope", 4)
+  with pytest.raises(ValueError, match="primitive='all_to_some'"):
+    jaxcoll.algorithms("all_to_some")
+  with pytest.raises(ValueError, match="no schedule"):
+    jaxcoll.schedule("all_reduce", "native", 4)
+  with pytest.raises(ValueError, match="root=4"):
+    jaxcoll.schedule("broadcast", "binomial_tree", 4, root=4)
+  with pytest.raises(ValueError, match="4 inputs"):
+    jaxcoll.schedule("all_reduce", "ring", 4).simulate([np.zeros(3)] * 3)
+
+
+def test_algorithms_lists():
+  for primitive in jaxcoll.PRIMITIVES:
+    assert jaxcoll.algorithms(primitive)[-1] == "native"
+  assert set(jaxcoll.algorithms("all_reduce")) == {
+      "ring", "bidirectional_ring", "halving_doubling", "recursive_doubling", "binomial_tree",
+      "double_binary_tree", "native"}
+  assert set(jaxcoll.algorithms("reduce_scatter")) == {"ring", "halving_doubling", "direct",
+                                                        "native"}
+  assert set(jaxcoll.algorithms("all_gather")) == {"ring", "recursive_doubling", "bruck",
+                                                    "direct", "native"}
+  assert set(jaxcoll.algorithms("broadcast")) == {"binomial_tree", "scatter_allgather", "native"}
+  assert set(jaxcoll.algorithms("reduce")) == {"binomial_tree", "reduce_scatter_gather", "native"}
