@@ -1,7 +1,7 @@
 """Resolving ``algorithm="auto"``.
 
 Until the cost-model dispatcher lands, "auto" is "native": measured on the
-single-process CPU testbed (shared/measurements/cpu-testbed.md), the jax.lax
+single-process CPU testbed (README, Performance), the jax.lax
 collective beat every ppermute schedule at every size, so it is the choice that
 is never slow. The rule is a pure function of static information, so every
 process of a job picks the same algorithm.
