@@ -102,8 +102,8 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
         return _replicated(jnp.prod(lax.all_gather(x, axes), axis=0, dtype=x.dtype), axes)
       return _NATIVE_REDUCE[op](x, axes)
     x = make_varying(x, axes)
-    _, rows = _run("all_reduce", algo, n, x.reshape(-1), axes, op=op, accumulate=acc)
-    y = rows.reshape(-1)[:x.size].reshape(x.shape).astype(x.dtype)
+    sched, rows = _run("all_reduce", algo, n, x.reshape(-1), axes, op=op, accumulate=acc)
+    y = layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape).astype(x.dtype)
     return _replicated(_finish_mean(y, op, n), axes)
 
   return _map_leaves(leaf, x)
@@ -204,8 +204,8 @@ def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "auto"):
       wide = x.astype(jnp.int32) if x.dtype == bool else x
       mine = jnp.where(lax.axis_index(axes) == root, wide, jnp.zeros_like(wide))
       return lax.psum(mine, axes).astype(x.dtype)
-    _, rows = _run("broadcast", algo, n, make_varying(x, axes).reshape(-1), axes, root=root)
-    return _replicated(rows.reshape(-1)[:x.size].reshape(x.shape), axes)
+    sched, rows = _run("broadcast", algo, n, make_varying(x, axes).reshape(-1), axes, root=root)
+    return _replicated(layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape), axes)
 
   return _map_leaves(leaf, x)
 
@@ -226,9 +226,9 @@ def reduce(x, axis_name, *, root: int = 0, op: str = "sum", algorithm: str = "au
     if algo == NATIVE:
       y = make_varying(all_reduce(x, axis_name, op=op, algorithm=NATIVE), axes)
     else:
-      _, rows = _run("reduce", algo, n, make_varying(x, axes).reshape(-1), axes,
-                     op=op, root=root)
-      y = _finish_mean(rows.reshape(-1)[:x.size].reshape(x.shape), op, n)
+      sched, rows = _run("reduce", algo, n, make_varying(x, axes).reshape(-1), axes,
+                         op=op, root=root)
+      y = _finish_mean(layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape), op, n)
     return jnp.where(lax.axis_index(axes) == root, y, jnp.zeros_like(y))
 
   return _map_leaves(leaf, x)
