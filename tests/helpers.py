@@ -39,47 +39,30 @@ def per_device(fn, n: int, *, replicated_out: bool = False, check_vma: bool = Tr
   return call
 
 
+def iter_eqns(jaxpr, mult: int = 1):
+  """Every equation of a (closed) jaxpr and its sub-jaxprs, with its scan trip-count multiplier."""
+  jx = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr
+  for eqn in jx.eqns:
+    yield eqn, mult
+    if eqn.primitive.name == "while":
+      raise AssertionError("unbounded while loop: trip count unknown")
+    inner = mult * eqn.params["length"] if eqn.primitive.name == "scan" else mult
+    for v in eqn.params.values():
+      for j in (v if isinstance(v, (tuple, list)) else (v,)):
+        if hasattr(j, "eqns") or hasattr(getattr(j, "jaxpr", None), "eqns"):
+          yield from iter_eqns(j, inner)
+
+
 def ppermute_bytes_per_rank(jaxpr, n: int) -> np.ndarray:
   """Bytes each rank sends through ppermute in a (closed) jaxpr, loops counted by trip count."""
   sent = np.zeros(n, np.int64)
-
-  def walk(jx, mult):
-    for eqn in jx.eqns:
-      if eqn.primitive.name == "ppermute":
-        aval = eqn.invars[0].aval
-        nbytes = math.prod(aval.shape) * aval.dtype.itemsize
-        for src, _ in eqn.params["perm"]:
-          sent[src] += mult * nbytes
-      inner_mult = mult
-      if eqn.primitive.name == "scan":
-        inner_mult = mult * eqn.params["length"]
-      elif eqn.primitive.name == "while":
-        raise AssertionError("unbounded while loop: trip count unknown")
-      for sub in _subjaxprs(eqn):
-        walk(sub, inner_mult)
-
-  walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr, 1)
+  for eqn, mult in iter_eqns(jaxpr):
+    if eqn.primitive.name == "ppermute":
+      aval = eqn.invars[0].aval
+      for src, _ in eqn.params["perm"]:
+        sent[src] += mult * math.prod(aval.shape) * aval.dtype.itemsize
   return sent
 
 
-def _subjaxprs(eqn):
-  for v in eqn.params.values():
-    for j in (v if isinstance(v, (tuple, list)) else (v,)):
-      if hasattr(j, "eqns"):
-        yield j
-      elif hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
-        yield j.jaxpr
-
-
 def count_primitive(jaxpr, name: str) -> int:
-  total = 0
-
-  def walk(jx):
-    nonlocal total
-    for eqn in jx.eqns:
-      total += eqn.primitive.name == name
-      for sub in _subjaxprs(eqn):
-        walk(sub)
-
-  walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr)
-  return total
+  return sum(eqn.primitive.name == name for eqn, _ in iter_eqns(jaxpr))

@@ -8,8 +8,9 @@ code). Chunk indices come from NumPy tables indexed by ``lax.axis_index``.
 Per transfer of a step: read the rows to send (``dynamic_slice`` when each
 rank's rows are contiguous, a gather otherwise), one ``ppermute``, then
 combine into the destination rows in place (``dynamic_update_slice`` of
-``op(old, received)``, or of the received rows for a copy). No step copies or
-concatenates the whole buffer.
+``op(old, received)``, or of the received rows for a copy). No step
+concatenates or copies the buffer by construction; where XLA still inserts a copy
+(unrolled steps, below) the README's Performance section says so.
 
 Consecutive steps with the same structure (same permutations, chunk counts and
 combines; only the chunk indices differ, as in every ring) form a phase. A
