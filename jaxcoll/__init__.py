@@ -1,21 +1,36 @@
 """jaxcoll: custom collective communication for JAX, built from ppermute schedules."""
 
 from jaxcoll._src.algorithms import algorithms, schedule
-from jaxcoll._src.collectives import all_gather, all_reduce, broadcast, reduce, reduce_scatter
-from jaxcoll._src.schedule import PRIMITIVES, Schedule, Step, Transfer
+from jaxcoll._src.collectives import (
+  all_gather,
+  all_reduce,
+  all_to_all,
+  broadcast,
+  reduce,
+  reduce_scatter,
+  shift,
+)
+from jaxcoll._src.dispatch import Hierarchical
+from jaxcoll._src.schedule import PRIMITIVES, AxisTraffic, Schedule, Step, Transfer
+from jaxcoll._src.table import Table
 
 __version__ = "0.1.0"
 
 __all__ = (
     "PRIMITIVES",
+    "AxisTraffic",
+    "Hierarchical",
     "Schedule",
     "Step",
+    "Table",
     "Transfer",
     "algorithms",
     "all_gather",
     "all_reduce",
+    "all_to_all",
     "broadcast",
     "reduce",
     "reduce_scatter",
     "schedule",
+    "shift",
 )

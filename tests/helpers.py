@@ -66,3 +66,58 @@ def ppermute_bytes_per_rank(jaxpr, n: int) -> np.ndarray:
 
 def count_primitive(jaxpr, name: str) -> int:
   return sum(eqn.primitive.name == name for eqn, _ in iter_eqns(jaxpr))
+
+
+def mesh_perm(axes, perm, mesh_names, sizes):
+  """``perm`` over ranks numbered as ``lax.axis_index(axes)`` does, rewritten in the mesh-order
+  numbering ``lax.ppermute`` reads (written out here independently of jaxcoll)."""
+  order = sorted(range(len(axes)), key=lambda t: mesh_names.index(axes[t]))
+  def to_mesh(r):
+    coords = np.unravel_index(r, sizes)
+    return int(np.ravel_multi_index([coords[t] for t in order], [sizes[t] for t in order]))
+  return [(to_mesh(s), to_mesh(d)) for s, d in perm]
+
+
+def call(primitive: str, x, axes, algorithm: str, root: int = 0):
+  """One jaxcoll collective with the arguments the shared tests use (tiled layouts)."""
+  import jaxcoll
+  kw = {"algorithm": algorithm}
+  if primitive in ("reduce_scatter", "all_gather"):
+    kw["tiled"] = True
+  if primitive in ("broadcast", "reduce"):
+    kw["root"] = root
+  if primitive == "all_to_all":
+    return jaxcoll.all_to_all(x, axes, 0, 0, tiled=True, **kw)
+  return getattr(jaxcoll, primitive)(x, axes, **kw)
+
+
+def call_lax(primitive: str, x, axes, root: int = 0):
+  """The jax.lax computation ``call`` must equal (shift over a tuple: ppermute in mesh order)."""
+  from jax import lax
+  axes_t = axes if isinstance(axes, tuple) else (axes,)
+  n = math.prod(lax.axis_size(a) for a in axes_t)
+  me = lax.axis_index(axes)
+  if primitive == "all_reduce":
+    return lax.psum(x, axes)
+  if primitive == "reduce_scatter":
+    return lax.psum_scatter(x, axes, tiled=True)
+  if primitive == "all_gather":
+    return lax.all_gather(x, axes, tiled=True)
+  if primitive == "all_to_all":
+    return lax.all_to_all(x, axes, 0, 0, tiled=True)
+  if primitive == "broadcast":
+    return lax.psum(jax.numpy.where(me == root, x, 0), axes)
+  if primitive == "reduce":
+    return jax.numpy.where(me == root, lax.psum(x, axes), 0)
+  if primitive == "shift":
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+    if len(axes_t) > 1:
+      perm = mesh_perm(axes_t, perm, names, tuple(lax.axis_size(a) for a in axes_t))
+    return lax.ppermute(x, axes, perm)
+  raise ValueError(primitive)
+
+
+def input_length(primitive: str, n: int, length: int) -> int:
+  """A per-device input length valid for ``primitive`` on n ranks (all_gather: the piece)."""
+  return length if primitive == "all_gather" else n * length

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -13,7 +11,14 @@ from jax import lax
 
 import jaxcoll
 from jaxcoll._src.executor import execute
-from tests.helpers import AXIS, count_primitive, per_device, ppermute_bytes_per_rank
+from tests.helpers import (
+  AXIS,
+  call,
+  count_primitive,
+  input_length,
+  per_device,
+  ppermute_bytes_per_rank,
+)
 
 SIZES = range(1, 9)
 DTYPES = (np.float32, ml_dtypes.bfloat16, np.float16, np.int32)
@@ -21,7 +26,8 @@ SHAPES = ((), (7,), (3, 5, 2))
 
 
 def algos(primitive):
-  return [a for a in jaxcoll.algorithms(primitive) if a != "native"]
+  """The single-axis scheduled algorithms (hierarchical needs a tuple of axes)."""
+  return [a for a in jaxcoll.algorithms(primitive, num_axes=1) if a != "native"]
 
 
 def inputs(n, op, seed=0, shapes=SHAPES):
@@ -102,14 +108,10 @@ def test_simulate_agrees_with_the_jax_execution_bit_for_bit(primitive, algorithm
   """Same schedule, same combine order: the NumPy simulator and XLA give the same bits."""
   n = 7
   rng = np.random.default_rng(4)
-  length = 3 * n
-  x = rng.standard_normal((n, length if primitive != "all_gather" else 5)).astype(np.float32)
-  kw = {"tiled": True} if primitive in ("reduce_scatter", "all_gather") else {}
-  if primitive in ("broadcast", "reduce"):
-    kw["root"] = 2
-  fn = getattr(jaxcoll, primitive)
-  got = np.asarray(per_device(lambda v: fn(v, AXIS, algorithm=algorithm, **kw), n)(x))
-  sched = jaxcoll.schedule(primitive, algorithm, n, root=kw.get("root", 0))
+  x = rng.standard_normal((n, input_length(primitive, n, 5))).astype(np.float32)
+  root = 2 if primitive in ("broadcast", "reduce") else 0
+  got = np.asarray(per_device(lambda v: call(primitive, v, AXIS, algorithm, root), n)(x))
+  sched = jaxcoll.schedule(primitive, algorithm, n, root=root)
   for r, want in enumerate(sched.simulate(list(x))):
     np.testing.assert_array_equal(got[r].reshape(-1), want)
 
@@ -121,7 +123,7 @@ def test_all_reduce_equals_lax_exactly_on_integers(n):
   lax_fns = {"sum": lax.psum, "min": lax.pmin, "max": lax.pmax}
   for op, fn in lax_fns.items():
     want = per_device(lambda t, fn=fn: jax.tree.map(lambda v: fn(v, AXIS), t), n)(ints)
-    for algorithm in jaxcoll.algorithms("all_reduce"):
+    for algorithm in jaxcoll.algorithms("all_reduce", num_axes=1):
       got = per_device(lambda t, op=op, a=algorithm: jaxcoll.all_reduce(t, AXIS, op=op,
                                                                         algorithm=a), n)(ints)
       jax.tree.map(np.testing.assert_array_equal, got, want)
@@ -155,7 +157,7 @@ def test_scatter_gather_equal_lax(primitive, n):
       lax_kws[k]["scatter_dimension"] = kw["scatter_dimension"] % (x.ndim - 1)
   want = per_device(lambda t: {k: lax_fn(v, AXIS, **lax_kws[k]) for k, v in t.items()}, n)(xs)
   fn = getattr(jaxcoll, primitive)
-  for algorithm in jaxcoll.algorithms(primitive):
+  for algorithm in jaxcoll.algorithms(primitive, num_axes=1):
     got = per_device(lambda t, a=algorithm: {k: fn(v, AXIS, algorithm=a, **entries[k][0])
                                              for k, v in t.items()}, n)(xs)
     for k, (_, x) in entries.items():
@@ -173,7 +175,7 @@ def test_reduce_scatter_ops(op):
   n = 6
   x = np.random.default_rng(0).integers(-9, 9, (n, 2 * n, 3)).astype(np.float32)
   want = np_reduce(op, x).reshape(n, 2, 3)
-  for algorithm in jaxcoll.algorithms("reduce_scatter"):
+  for algorithm in jaxcoll.algorithms("reduce_scatter", num_axes=1):
     got = per_device(lambda v, a=algorithm: jaxcoll.reduce_scatter(v, AXIS, tiled=True, op=op,
                                                                    algorithm=a), n)(x)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
@@ -188,7 +190,7 @@ def test_rooted_collectives(primitive, n):
        "b": rng.standard_normal((n,)).astype(ml_dtypes.bfloat16)}
   fn = getattr(jaxcoll, primitive)
   for root in sorted({0, n - 1, n // 2}):
-    for algorithm in jaxcoll.algorithms(primitive):
+    for algorithm in jaxcoll.algorithms(primitive, num_axes=1):
       out = per_device(lambda t, a=algorithm, r=root: fn(t, AXIS, root=r, algorithm=a), n)(x)
       for key, v in x.items():
         got = np.asarray(out[key])
@@ -207,14 +209,10 @@ def test_rooted_collectives(primitive, n):
 @pytest.mark.parametrize("n", [5, 8])
 def test_traced_bytes_equal_schedule_bytes(primitive, algorithm, n):
   length = 8 * 3 * n  # divisible by every schedule's chunk count here
-  x = jnp.zeros((n, length), jnp.float32)
-  kw = {"tiled": True} if primitive in ("reduce_scatter", "all_gather") else {}
-  if primitive == "all_gather":
-    x = jnp.zeros((n, length // n), jnp.float32)
-  fn = functools.partial(getattr(jaxcoll, primitive), algorithm=algorithm, **kw)
+  x = jnp.zeros((n, length if primitive != "all_gather" else length // n), jnp.float32)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), (AXIS,))
-  sm = jax.shard_map(lambda v: fn(v[0], AXIS)[None], mesh=mesh, in_specs=jax.P(AXIS),
-                     out_specs=jax.P(AXIS))
+  sm = jax.shard_map(lambda v: call(primitive, v[0], AXIS, algorithm)[None], mesh=mesh,
+                     in_specs=jax.P(AXIS), out_specs=jax.P(AXIS))
   traced = ppermute_bytes_per_rank(jax.make_jaxpr(sm)(x), n).max()
   sched = jaxcoll.schedule(primitive, algorithm, n)
   assert traced == sched.bytes_per_rank(length * 4)
@@ -304,16 +302,16 @@ def test_jit_scan_and_eager():
 def test_replicated_results_leave_with_out_specs_p(check_vma):
   n = 8
   x = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
-  for algorithm in jaxcoll.algorithms("all_reduce"):
+  for algorithm in jaxcoll.algorithms("all_reduce", num_axes=1):
     got = per_device(lambda v, a=algorithm: jaxcoll.all_reduce(v, AXIS, algorithm=a), n,
                      replicated_out=True, check_vma=check_vma)(x)
     np.testing.assert_array_equal(np.asarray(got), x.sum(0))
-  for algorithm in jaxcoll.algorithms("all_gather"):
+  for algorithm in jaxcoll.algorithms("all_gather", num_axes=1):
     got = per_device(lambda v, a=algorithm: jaxcoll.all_gather(v, AXIS, algorithm=a,
                                                                to="invarying"), n,
                      replicated_out=True, check_vma=check_vma)(x)
     np.testing.assert_array_equal(np.asarray(got), x)
-  for algorithm in jaxcoll.algorithms("broadcast"):
+  for algorithm in jaxcoll.algorithms("broadcast", num_axes=1):
     got = per_device(lambda v, a=algorithm: jaxcoll.broadcast(v, AXIS, root=3, algorithm=a), n,
                      replicated_out=True, check_vma=check_vma)(x)
     np.testing.assert_array_equal(np.asarray(got), x[3])
@@ -326,7 +324,8 @@ def test_lax_semantics_corner_cases():
   # psum of a value invariant over the axis multiplies it by the axis size
   def invariant(v):
     c = jnp.float32(3.0)
-    return {a: jaxcoll.all_reduce(c, AXIS, algorithm=a) for a in jaxcoll.algorithms("all_reduce")}
+    return {a: jaxcoll.all_reduce(c, AXIS, algorithm=a)
+            for a in jaxcoll.algorithms("all_reduce", num_axes=1)}
 
   out = jax.jit(jax.shard_map(invariant, mesh=mesh, in_specs=jax.P(AXIS), out_specs=jax.P()))(
       jnp.zeros(n))
@@ -334,7 +333,7 @@ def test_lax_semantics_corner_cases():
     assert float(v) == 12.0, a
 
   b = np.array([[True, False], [True, True], [False, False], [True, False]])
-  for algorithm in jaxcoll.algorithms("all_reduce"):
+  for algorithm in jaxcoll.algorithms("all_reduce", num_axes=1):
     s = np.asarray(per_device(lambda v, a=algorithm: jaxcoll.all_reduce(v, AXIS, algorithm=a),
                               n)(b))
     assert s.dtype == np.int32
@@ -345,7 +344,7 @@ def test_lax_semantics_corner_cases():
     np.testing.assert_allclose(m[0], b.mean(0))
 
   z = (np.arange(n * 3) + 1j * np.arange(n * 3)[::-1]).astype(np.complex64).reshape(n, 3)
-  for algorithm in jaxcoll.algorithms("all_reduce"):
+  for algorithm in jaxcoll.algorithms("all_reduce", num_axes=1):
     got = np.asarray(per_device(lambda v, a=algorithm: jaxcoll.all_reduce(v, AXIS, algorithm=a),
                                 n)(z))
     np.testing.assert_allclose(got[0], z.sum(0), rtol=1e-6)
@@ -386,21 +385,6 @@ def test_checkpoint_and_custom_vjp_around_the_call():
       loss(custom(lambda v: lax.psum(v, AXIS))), rtol=1e-6)
 
 
-@pytest.mark.parametrize("algorithm", jaxcoll.algorithms("all_reduce"))
-def test_gradients_equal_lax(algorithm):
-  n = 4
-  x = np.random.default_rng(3).standard_normal((n, 5)).astype(np.float32)
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), (AXIS,))
-  for out_spec in (jax.P(), jax.P(AXIS)):
-    def grad_of(fn, out_spec=out_spec):
-      f = jax.shard_map(fn, mesh=mesh, in_specs=jax.P(AXIS), out_specs=out_spec)
-      w = np.arange(5, dtype=np.float32)
-      return jax.jit(jax.grad(lambda v: jnp.sum(f(v) * w)))(x)
-    want = grad_of(lambda v: lax.psum(v, AXIS))
-    got = grad_of(lambda v: jaxcoll.all_reduce(v, AXIS, algorithm=algorithm))
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-
-
 def test_integer_inputs_get_float0_cotangents():
   n = 4
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), (AXIS,))
@@ -410,13 +394,6 @@ def test_integer_inputs_get_float0_cotangents():
       jnp.ones(n), jnp.arange(n, dtype=jnp.int32))
   assert g[1].dtype == jax.dtypes.float0
   np.testing.assert_allclose(g[0], np.arange(n))
-
-
-def test_vmap_over_a_batch_dimension():
-  n = 4
-  x = np.arange(n * 2 * 3, dtype=np.float32).reshape(n, 2, 3)
-  got = per_device(jax.vmap(lambda v: jaxcoll.all_reduce(v, AXIS, algorithm="ring")), n)(x)
-  np.testing.assert_array_equal(np.asarray(got)[0], x.sum(0))
 
 
 def test_errors_name_the_argument():

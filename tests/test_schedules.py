@@ -16,13 +16,20 @@ from jaxcoll._src.algorithms.trees import double_binary_trees
 from jaxcoll._src.schedule import Step, Transfer
 
 SIZES = range(1, 9)
-SCHEDULED = [(p, a) for p in jaxcoll.PRIMITIVES for a in jaxcoll.algorithms(p) if a != "native"]
+SCHEDULED = [(p, a) for p in jaxcoll.PRIMITIVES for a in jaxcoll.algorithms(p)
+             if a not in ("native", "hierarchical")]
+HIERARCHICAL = [p for p in jaxcoll.PRIMITIVES if "hierarchical" in jaxcoll.algorithms(p)]
+SHAPES = [(2, 4), (4, 2), (2, 3), (3, 2), (2, 2, 2), (1, 4), (3, 1, 2), (2, 5), (4, 4), (2, 2, 3)]
 
 
 def reference(primitive, xs, root, op="sum"):
+  n = len(xs)
+  if primitive == "all_to_all":
+    return [np.concatenate([x.reshape(n, -1)[r] for x in xs]) for r in range(n)]
+  if primitive == "shift":
+    return [xs[(r - 1) % n] for r in range(n)]
   fn = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max}[op]
   total = fn(np.stack(xs), axis=0)
-  n = len(xs)
   if primitive == "all_reduce":
     return [total] * n
   if primitive == "reduce_scatter":
@@ -52,7 +59,7 @@ def test_simulate_matches_reference(primitive, algorithm, n, op):
 @given(n=st.integers(1, 24), length=st.integers(1, 40))
 def test_simulate_any_size(primitive, algorithm, n, length):
   rng = np.random.default_rng(length)
-  size = n * length if primitive == "reduce_scatter" else length
+  size = n * length if primitive in ("reduce_scatter", "all_to_all") else length
   xs = [rng.integers(-100, 100, size).astype(np.int32) for _ in range(n)]
   root = n - 1 if primitive in ("broadcast", "reduce") else 0
   sched = jaxcoll.schedule(primitive, algorithm, n, root=root)
@@ -93,6 +100,9 @@ def formula(primitive, algorithm, n):
       ("broadcast", "binomial_tree"): (lg(n), lg(n)),
       ("broadcast", "scatter_allgather"): (lg(n) + n - 1, 2 * ring),
       ("reduce", "binomial_tree"): (lg(n), 1.0 if n > 1 else 0.0),
+      ("all_to_all", "direct"): (n - 1, ring),
+      ("shift", "direct"): (1, 1.0),   # N = 1 too: one message to itself
+      ("all_to_all", "bruck"): (lg(n), sum(bin(i).count("1") for i in range(n)) / n),
       ("reduce", "reduce_scatter_gather"):
           (n - 1 + lg(n), max((n - 1 + min(lowbit(v), n - v)) / n for v in range(1, n))
            if n > 1 else 0.0),
@@ -153,7 +163,7 @@ def test_steps_and_bytes_equal_formula(primitive, algorithm, n):
     steps, frac = all_gather_rd_bytes(n)
   else:
     steps, frac = formula(primitive, algorithm, n)
-  if n == 1:
+  if n == 1 and primitive != "shift":
     steps, frac = 0, 0.0
   assert sched.num_steps == steps
   if (primitive, algorithm) == ("reduce_scatter", "halving_doubling") and n != pow2_floor(n):
@@ -190,7 +200,8 @@ def test_partial_sum_scale_counts_the_larger_reduce_phase():
                                        if a != "native"])
 def test_simulate_scales_to_1024_ranks(algorithm):
   n = 1024
-  sched = jaxcoll.schedule("all_reduce", algorithm, n)  # building a ring: 2N steps of N messages
+  options = {"axis_sizes": (32, 32)} if algorithm == "hierarchical" else {}
+  sched = jaxcoll.schedule("all_reduce", algorithm, n, **options)  # a ring: 2N steps of N messages
   xs = np.arange(n * 2 * n, dtype=np.int64).reshape(n, 2 * n) % 7
   start = time.perf_counter()
   out = sched.simulate(list(xs))
@@ -235,10 +246,105 @@ def test_algorithms_lists():
     assert jaxcoll.algorithms(primitive)[-1] == "native"
   assert set(jaxcoll.algorithms("all_reduce")) == {
       "ring", "bidirectional_ring", "halving_doubling", "recursive_doubling", "binomial_tree",
-      "double_binary_tree", "native"}
+      "double_binary_tree", "hierarchical", "native"}
   assert set(jaxcoll.algorithms("reduce_scatter")) == {"ring", "halving_doubling", "direct",
-                                                        "native"}
+                                                        "hierarchical", "native"}
   assert set(jaxcoll.algorithms("all_gather")) == {"ring", "recursive_doubling", "bruck",
-                                                    "direct", "native"}
+                                                    "direct", "hierarchical", "native"}
+  assert set(jaxcoll.algorithms("all_to_all")) == {"direct", "bruck", "hierarchical", "native"}
+  assert set(jaxcoll.algorithms("shift")) == {"direct", "native"}
+  for primitive in HIERARCHICAL:
+    assert "hierarchical" not in jaxcoll.algorithms(primitive, num_axes=1)
+    assert "hierarchical" in jaxcoll.algorithms(primitive, num_axes=2)
   assert set(jaxcoll.algorithms("broadcast")) == {"binomial_tree", "scatter_allgather", "native"}
   assert set(jaxcoll.algorithms("reduce")) == {"binomial_tree", "reduce_scatter_gather", "native"}
+
+
+@pytest.mark.parametrize("offset", [0, 1, -1, 3, 9, -9])
+@pytest.mark.parametrize("wrap", [True, False])
+@pytest.mark.parametrize("n", SIZES)
+def test_shift_moves_every_value_offset_ranks(offset, wrap, n):
+  sched = jaxcoll.schedule("shift", "direct", n, offset=offset % n if wrap else offset, wrap=wrap)
+  xs = [np.full(3, r + 1) for r in range(n)]
+  for r, got in enumerate(sched.simulate(xs)):
+    src = (r - offset) % n if wrap else r - offset
+    np.testing.assert_array_equal(got, xs[src] if 0 <= src < n else np.zeros(3))
+
+
+@pytest.mark.parametrize("primitive", HIERARCHICAL)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_hierarchical_simulates_like_the_flat_collective(primitive, shape, op):
+  n = math.prod(shape)
+  rng = np.random.default_rng(n)
+  sched = jaxcoll.schedule(primitive, "hierarchical", n, axis_sizes=shape)
+  assert sched.axis_sizes == shape
+  xs = [rng.integers(-9, 9, 2 * n).astype(np.int64) for _ in range(n)]
+  for got, want in zip(sched.simulate(xs, op=op), reference(primitive, xs, 0, op)):
+    np.testing.assert_array_equal(got, want)
+
+
+def hierarchical_traffic(primitive, shape):
+  """Per-axis (steps, bytes / M) of hierarchical with default (ring / direct) stages."""
+  out = []
+  for t, s in enumerate(shape):
+    inner = math.prod(shape[t + 1:])      # the data shrinks by this before reaching axis t
+    frac = (s - 1) / s
+    if primitive == "all_reduce":
+      out.append((2 * (s - 1), 2 * frac / inner))
+    elif primitive in ("reduce_scatter", "all_gather"):
+      out.append((s - 1, frac / inner))
+    else:   # all_to_all: s - 1 messages of N/s blocks whatever the stage
+      out.append((s - 1, frac))
+  return [(st, b) if shape[t] > 1 else (0, 0.0) for t, (st, b) in enumerate(out)]
+
+
+@pytest.mark.parametrize("primitive", HIERARCHICAL)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_hierarchical_traffic_per_axis_equals_formula(primitive, shape):
+  n = math.prod(shape)
+  sched = jaxcoll.schedule(primitive, "hierarchical", n, axis_sizes=shape)
+  traffic = sched.traffic(1.0)
+  want = hierarchical_traffic(primitive, shape)
+  assert [a.steps for a in traffic] == [s for s, _ in want]
+  assert [a.bytes for a in traffic] == pytest.approx([b for _, b in want])
+  assert sched.num_steps == sum(a.steps for a in traffic)
+
+
+def test_hierarchical_all_to_all_aggregates_messages_across_the_outer_axis():
+  o, i = 2, 4
+  flat, hier = (jaxcoll.schedule("all_to_all", a, o * i, **kw) for a, kw in
+                [("direct", {}), ("hierarchical", {"axis_sizes": (o, i)})])
+  def outer_messages(sched):   # messages rank 0 sends across the outer axis
+    return sum(1 for st in sched.steps for t in st.transfers for s, d in t.perm
+               if s == 0 and d // i != 0)
+  assert outer_messages(flat) == (o - 1) * i
+  assert outer_messages(hier) == o - 1
+  # same bytes over the node axis, in fewer, bigger messages
+  assert hier.traffic(1.0)[0].bytes == pytest.approx(flat.traffic(1.0, (o, i))[0].bytes)
+
+
+def test_flat_ring_over_two_axes_puts_more_on_the_outer_link():
+  ring = jaxcoll.schedule("all_reduce", "ring", 8).traffic(1.0, (2, 4))
+  hier = jaxcoll.schedule("all_reduce", "hierarchical", 8, axis_sizes=(2, 4)).traffic(1.0)
+  assert ring[0].bytes == pytest.approx(2 * 7 / 8)   # rank 3 sends everything to rank 4
+  assert hier[0].bytes == pytest.approx(2 * 1 / 2 / 4)
+
+
+def test_hierarchical_per_axis_algorithms():
+  sched = jaxcoll.schedule("all_reduce", "hierarchical", 8, axis_sizes=(2, 4),
+                           per_axis=("recursive_doubling", "halving_doubling"))
+  outer, inner = sched.traffic(1.0)
+  assert (outer.steps, inner.steps) == (1, 4)   # one exchange; halving 2 + doubling 2
+  xs = [np.arange(16) * (r + 1) for r in range(8)]
+  for got in sched.simulate(xs):
+    np.testing.assert_array_equal(got, np.sum(xs, 0))
+  with pytest.raises(ValueError, match="per_axis"):
+    jaxcoll.schedule("all_reduce", "hierarchical", 8, axis_sizes=(2, 4), per_axis=("ring",))
+  with pytest.raises(ValueError, match="bruck"):
+    jaxcoll.schedule("reduce_scatter", "hierarchical", 8, axis_sizes=(2, 4),
+                     per_axis=("ring", "bruck"))
+  with pytest.raises(ValueError, match="axis_sizes"):
+    jaxcoll.schedule("all_reduce", "hierarchical", 8)
+  with pytest.raises(ValueError, match="multiply"):
+    jaxcoll.schedule("all_reduce", "hierarchical", 8, axis_sizes=(2, 3))

@@ -1,10 +1,19 @@
-"""Validating axis names inside shard_map."""
+"""Axis names inside shard_map: validation, sizes, and the rank order of a tuple of axes.
+
+Over a tuple of axes jaxcoll numbers ranks as ``lax.axis_index(axes)`` does:
+row-major over the tuple in the order given (``('z', 'y')``: z major). On
+jax 0.10.2 ``lax.ppermute`` reads its ``perm`` over the same tuple in *mesh*
+order instead (the axes sorted as the mesh lists them), so the executor maps
+every pair through :func:`ppermute_index`; ``tests/test_axes.py`` pins both.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
+import numpy as np
 from jax import lax
 
 
@@ -27,11 +36,38 @@ def normalize(axis_name) -> tuple[str, ...]:
             "no shard_map (manual) axis is bound here") from e
       raise ValueError(f"axis_name={a!r} is not an axis of the enclosing shard_map; "
                        f"bound axes: {bound}") from e
-  if len(axes) > 1:
-    raise NotImplementedError(f"axis_name={axis_name!r}: collectives over a tuple of axes are "
-                              "not supported yet; pass one mesh axis name")
   return axes
 
 
+def sizes(axes: tuple[str, ...]) -> tuple[int, ...]:
+  return tuple(lax.axis_size(a) for a in axes)
+
+
 def size(axes: tuple[str, ...]) -> int:
-  return math.prod(lax.axis_size(a) for a in axes)
+  return math.prod(sizes(axes))
+
+
+def ppermute_index(axes: tuple[str, ...]) -> np.ndarray | None:
+  """``index[r]``: the number ``lax.ppermute`` gives the device of rank r (the
+  ``lax.axis_index(axes)`` numbering); None where the two agree."""
+  names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+  if len(axes) < 2 or not set(axes) <= set(names):
+    return None
+  return _ppermute_index(axes, sizes(axes), names)
+
+
+def ppermute_perm(axes: tuple[str, ...], perm) -> tuple[tuple[int, int], ...]:
+  """``perm`` (pairs of ranks in ``lax.axis_index`` numbering) as ``lax.ppermute`` reads it."""
+  index = ppermute_index(axes)
+  if index is None:
+    return tuple(perm)
+  return tuple((int(index[s]), int(index[d])) for s, d in perm)
+
+
+@functools.lru_cache(maxsize=256)
+def _ppermute_index(axes, shape, mesh_names) -> np.ndarray | None:
+  order = sorted(range(len(axes)), key=lambda t: mesh_names.index(axes[t]))
+  if order == list(range(len(axes))):
+    return None
+  coords = np.unravel_index(np.arange(math.prod(shape)), shape)
+  return np.ravel_multi_index([coords[t] for t in order], [shape[t] for t in order])

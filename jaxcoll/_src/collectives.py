@@ -2,8 +2,11 @@
 
 Every function runs inside ``jax.shard_map`` and has the semantics of its
 ``jax.lax`` counterpart (``psum``/``pmax``/``pmin``/``pmean``,
-``psum_scatter``, ``all_gather``); ``broadcast`` and ``reduce`` are the rooted
-collectives lax lacks. Results that are replicated over the axis (all_reduce,
+``psum_scatter``, ``all_gather``, ``all_to_all``, ``ppermute`` for ``shift``);
+``broadcast`` and ``reduce`` are the rooted collectives lax lacks.
+``axis_name`` is a mesh axis or a tuple of them, as in lax: one collective
+over their product, ranks numbered as ``lax.axis_index(axis_name)`` numbers
+them. Results that are replicated over the axis (all_reduce,
 broadcast, all_gather with ``to="invarying"``) are typed invariant, like
 lax's, so they may leave shard_map with ``out_specs=P()``.
 """
@@ -52,17 +55,24 @@ def _replicated(y, axes):
   return mark_invariant(y, axes) if check_vma_enabled(axes) else y
 
 
-def _run(primitive, algorithm, n, flat, axes, *, op="sum", root=0, accumulate=None):
+def _resolve(primitive, algorithm, axes, nbytes):
+  return dispatch.resolve(primitive, algorithm, axis_sizes=axes_lib.sizes(axes), nbytes=nbytes)
+
+
+def _run(primitive, algorithm, n, flat, axes, *, op="sum", root=0, accumulate=None,
+         options=None):
   """Runs ``algorithm``'s schedule on one rank's flat buffer; returns the final rows."""
-  sched = schedule(primitive, algorithm, n, root=root)
+  sched = schedule(primitive, algorithm, n, root=root, **(options or {}))
   work = flat if accumulate is None else flat.astype(accumulate)
-  rows = layout.to_rows(jnp, work, sched)
+  rows = make_varying(layout.to_rows(jnp, work, sched), axes)
+  b, rank = sched.blocks_per_rank, lax.axis_index(axes)
   if primitive == "all_gather":
     piece = layout.block(jnp, work, sched, rows.shape[1])
-    rank = lax.axis_index(axes)
-    rows = lax.dynamic_update_slice_in_dim(make_varying(rows, axes), piece,
-                                           rank * sched.blocks_per_rank, axis=0)
-  rows = execute(sched, make_varying(rows, axes), axes, op=op,
+    rows = lax.dynamic_update_slice_in_dim(rows, piece, rank * b, axis=0)
+  if primitive == "all_to_all":
+    own = lax.dynamic_slice_in_dim(rows, rank * b, b, axis=0)
+    rows = lax.dynamic_update_slice_in_dim(rows, own, layout.output_start(sched) + rank * b, 0)
+  rows = execute(sched, rows, axes, op=op,
                  copy_dtype=None if accumulate is None else flat.dtype)
   return sched, rows
 
@@ -78,9 +88,10 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
 
   Args:
     x: a pytree of arrays, any shape and dtype lax accepts for ``op``.
-    axis_name: the mesh axis of the enclosing shard_map.
+    axis_name: a mesh axis of the enclosing shard_map, or a tuple of them.
     op: "sum", "prod", "min", "max" or "mean" (``lax.pmean``: sum / N).
-    algorithm: "auto" or a name from ``algorithms("all_reduce")``.
+    algorithm: "auto", a name from ``algorithms("all_reduce")``, or
+      ``Hierarchical(per_axis)`` (over a tuple: one flat algorithm per axis).
     accumulate_dtype: e.g. "float32" for bfloat16 data: partial sums travel and
       combine in this dtype and are rounded once at the end (reduce steps send
       itemsize(accumulate)/itemsize(x) times the bytes). None: each combine
@@ -96,13 +107,14 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
   def leaf(x):
     x = _prepare(x, op)
     acc = _check_accumulate(accumulate_dtype, x.dtype)
-    algo = dispatch.resolve("all_reduce", algorithm, axis_size=n, nbytes=x.nbytes)
+    algo, options = _resolve("all_reduce", algorithm, axes, x.nbytes)
     if algo == NATIVE:
       if op == "prod":
         return _replicated(jnp.prod(lax.all_gather(x, axes), axis=0, dtype=x.dtype), axes)
       return _NATIVE_REDUCE[op](x, axes)
     x = make_varying(x, axes)
-    sched, rows = _run("all_reduce", algo, n, x.reshape(-1), axes, op=op, accumulate=acc)
+    sched, rows = _run("all_reduce", algo, n, x.reshape(-1), axes, op=op, accumulate=acc,
+                       options=options)
     y = layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape).astype(x.dtype)
     return _replicated(_finish_mean(y, op, n), axes)
 
@@ -130,7 +142,7 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
       need = f"equal to the axis size {n}" if not tiled else f"divisible by the axis size {n}"
       raise ValueError(f"scatter_dimension={scatter_dimension}: x.shape[{d}] = {extent} must be "
                        f"{need} (tiled={tiled})")
-    algo = dispatch.resolve("reduce_scatter", algorithm, axis_size=n, nbytes=x.nbytes)
+    algo, options = _resolve("reduce_scatter", algorithm, axes, x.nbytes)
     if algo == NATIVE:
       if op in ("sum", "mean"):
         y = lax.psum_scatter(x, axes, scatter_dimension=d, tiled=tiled)
@@ -141,7 +153,7 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
     x = make_varying(x, axes)
     moved = jnp.moveaxis(x, d, 0)
     sched, rows = _run("reduce_scatter", algo, n, moved.reshape(-1), axes, op=op,
-                       accumulate=acc)
+                       accumulate=acc, options=options)
     b = sched.blocks_per_rank
     mine = lax.dynamic_slice_in_dim(rows, lax.axis_index(axes) * b, b, axis=0)
     y = layout.from_rows(jnp, mine, sched, moved.size).astype(x.dtype)
@@ -174,11 +186,12 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: s
       a = _normalize_dim(axis, x.ndim, "axis")
     else:
       a = _normalize_dim(axis, x.ndim + 1, "axis")
-    algo = dispatch.resolve("all_gather", algorithm, axis_size=n, nbytes=x.nbytes * n)
+    algo, options = _resolve("all_gather", algorithm, axes, x.nbytes * n)
     if algo == NATIVE:
       return lax.all_gather(x, axes, axis=a, tiled=tiled,
                             to="invarying" if to != "varying" else "varying")
-    sched, rows = _run("all_gather", algo, n, make_varying(x, axes).reshape(-1), axes)
+    sched, rows = _run("all_gather", algo, n, make_varying(x, axes).reshape(-1), axes,
+                       options=options)
     y = jnp.moveaxis(layout.from_rows(jnp, rows, sched, x.size).reshape((n,) + x.shape), 0, a)
     if tiled:
       y = y.reshape(x.shape[:a] + (n * x.shape[a],) + x.shape[a + 1:])
@@ -199,12 +212,13 @@ def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "auto"):
 
   def leaf(x):
     x = _prepare(x, None)
-    algo = dispatch.resolve("broadcast", algorithm, axis_size=n, nbytes=x.nbytes)
+    algo, options = _resolve("broadcast", algorithm, axes, x.nbytes)
     if algo == NATIVE:
       wide = x.astype(jnp.int32) if x.dtype == bool else x
       mine = jnp.where(lax.axis_index(axes) == root, wide, jnp.zeros_like(wide))
       return lax.psum(mine, axes).astype(x.dtype)
-    sched, rows = _run("broadcast", algo, n, make_varying(x, axes).reshape(-1), axes, root=root)
+    sched, rows = _run("broadcast", algo, n, make_varying(x, axes).reshape(-1), axes, root=root,
+                       options=options)
     return _replicated(layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape), axes)
 
   return _map_leaves(leaf, x)
@@ -222,14 +236,83 @@ def reduce(x, axis_name, *, root: int = 0, op: str = "sum", algorithm: str = "au
 
   def leaf(x):
     x = _prepare(x, op)
-    algo = dispatch.resolve("reduce", algorithm, axis_size=n, nbytes=x.nbytes)
+    algo, options = _resolve("reduce", algorithm, axes, x.nbytes)
     if algo == NATIVE:
       y = make_varying(all_reduce(x, axis_name, op=op, algorithm=NATIVE), axes)
     else:
       sched, rows = _run("reduce", algo, n, make_varying(x, axes).reshape(-1), axes,
-                         op=op, root=root)
+                         op=op, root=root, options=options)
       y = _finish_mean(layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape), op, n)
     return jnp.where(lax.axis_index(axes) == root, y, jnp.zeros_like(y))
+
+  return _map_leaves(leaf, x)
+
+
+def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool = False,
+               algorithm="auto"):
+  """Device r sends block j of x along ``split_axis`` to device j (like ``lax.all_to_all``).
+
+  ``tiled=False``: ``x.shape[split_axis]`` must equal N; the result has the
+  same rank, block j (from device j) at index j of ``concat_axis``.
+  ``tiled=True``: ``x.shape[split_axis]`` must be divisible by N; the blocks
+  received are concatenated along ``concat_axis``. Cost (direct): N-1 steps,
+  (N-1)/N * M bytes per device; (bruck): ceil(log2 N) steps, about
+  (N/2) log2 N * M/N; (hierarchical, over (outer, inner)): inner-1 + outer-1
+  steps, outer-1 messages across the outer axis.
+  """
+  axes = axes_lib.normalize(axis_name)
+  n = axes_lib.size(axes)
+
+  def leaf(x):
+    x = _prepare(x, None)
+    if x.ndim == 0:
+      raise ValueError("all_to_all needs x with at least one dimension")
+    s = _normalize_dim(split_axis, x.ndim, "split_axis")
+    c = _normalize_dim(concat_axis, x.ndim, "concat_axis")
+    extent = x.shape[s]
+    if (not tiled and extent != n) or (tiled and extent % n):
+      need = f"equal to the axis size {n}" if not tiled else f"divisible by the axis size {n}"
+      raise ValueError(f"split_axis={split_axis}: x.shape[{s}] = {extent} must be {need} "
+                       f"(tiled={tiled})")
+    algo, options = _resolve("all_to_all", algorithm, axes, x.nbytes)
+    if algo == NATIVE:
+      return lax.all_to_all(x, axes, s, c, tiled=tiled)
+    moved = jnp.moveaxis(make_varying(x, axes), s, 0)
+    sched, rows = _run("all_to_all", algo, n, moved.reshape(-1), axes, options=options)
+    y = layout.from_rows(jnp, rows, sched, moved.size)
+    y = jnp.moveaxis(y.reshape((n, extent // n) + moved.shape[1:]), 1, s + 1)  # [source, piece]
+    if not tiled:
+      return jnp.moveaxis(jnp.squeeze(y, s + 1), 0, c)
+    y = jnp.moveaxis(y, 0, c)
+    return y.reshape(y.shape[:c] + (n * y.shape[c + 1],) + y.shape[c + 2:])
+
+  return _map_leaves(leaf, x)
+
+
+def shift(x, axis_name, offset: int = 1, *, wrap: bool = True, algorithm="auto"):
+  """Device i gets device (i - offset)'s x: pipeline-parallel send/recv.
+
+  The same as ``lax.ppermute(x, axis_name, [(i, i + offset) ...])`` with the
+  destinations taken mod N (``wrap=True``) or, with ``wrap=False``, only the
+  pairs whose destination exists; devices nobody sends to get zeros. Device i
+  is the one with ``lax.axis_index(axis_name) == i``, also over a tuple of
+  axes. Cost: 1 step, M bytes per device.
+  """
+  axes = axes_lib.normalize(axis_name)
+  n = axes_lib.size(axes)
+  if not isinstance(offset, (int, np.integer)) or isinstance(offset, bool):
+    raise ValueError(f"offset={offset!r} must be an int")
+  options = {"offset": int(offset) % n if wrap else int(offset), "wrap": bool(wrap)}
+
+  def leaf(x):
+    x = make_varying(_prepare(x, None), axes)
+    algo, _ = _resolve("shift", algorithm, axes, x.nbytes)
+    sched = schedule("shift", "direct", n, **options)
+    if algo == NATIVE:
+      perm = sched.steps[0].transfers[0].perm if sched.steps else ()
+      return lax.ppermute(x, axes, axes_lib.ppermute_perm(axes, perm))
+    _, rows = _run("shift", algo, n, x.reshape(-1), axes, options=options)
+    return layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape)
 
   return _map_leaves(leaf, x)
 

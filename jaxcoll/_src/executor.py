@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcoll._src import axes as axes_lib
 from jaxcoll._src import ops
 from jaxcoll._src.schedule import Schedule
 
@@ -118,7 +119,8 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
   Args:
     schedule: the schedule.
     rows: this rank's buffer, already varying over ``axis_name``.
-    axis_name: the mesh axis (or tuple) the schedule runs over.
+    axis_name: the mesh axis (or tuple) the schedule runs over; schedule rank r
+      is the device with ``lax.axis_index(axis_name) == r``.
     op: the reduction op of reduce transfers.
     copy_dtype: dtype that copy transfers carry on the wire (the output dtype
       when ``rows`` hold float32 partial sums); None keeps ``rows.dtype``.
@@ -132,6 +134,7 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
   if not schedule.steps:
     return rows
   rank = lax.axis_index(axis_name)
+  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   if schedule.scratch_rows:
     rows = jnp.concatenate([rows, jnp.zeros((schedule.scratch_rows,) + rows.shape[1:],
                                             rows.dtype)])
@@ -142,7 +145,7 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
       data = _read(rows, jnp.asarray(table)[t, rank], p, p.send_contiguous)
       if p.combine == "copy" and copy_dtype is not None:
         data = data.astype(copy_dtype)
-      received.append(lax.ppermute(data, axis_name, p.perm))
+      received.append(lax.ppermute(data, axis_name, axes_lib.ppermute_perm(axes, p.perm)))
     for p, table, data in zip(phase.transfers, phase.recv, received):
       index = jnp.asarray(table)[t, rank]
       if p.combine == "reduce":

@@ -4,7 +4,9 @@ Unblocked primitives (all_reduce, broadcast, reduce) pad the flat buffer of
 ``size`` elements to ``C * ceil(size / C)`` and view it as ``C`` rows. Blocked
 primitives (reduce_scatter, all_gather) keep rank r's block in rows
 ``[r*b, (r+1)*b)`` (``b = C / N``), each block padded on its own, so padding never
-moves data across a block boundary. ``xp`` is ``numpy`` or ``jax.numpy``; the
+moves data across a block boundary. all_to_all keeps the N input blocks in the
+first ``N*b`` rows and the output blocks in the last ``N*b``; shift has one row
+of input and one of output. ``xp`` is ``numpy`` or ``jax.numpy``; the
 rank is a Python int (the NumPy simulator) or ``None`` (the executor, which
 places and extracts the block itself with dynamic slices).
 """
@@ -19,8 +21,10 @@ BLOCKED = ("reduce_scatter", "all_gather")
 def row_length(schedule, size: int) -> int:
   """Elements per chunk for a message of ``size`` elements (the piece, for all_gather)."""
   b = schedule.blocks_per_rank
-  if schedule.primitive == "reduce_scatter":
+  if schedule.primitive in ("reduce_scatter", "all_to_all"):
     return math.ceil(size // schedule.axis_size / b)
+  if schedule.primitive == "shift":
+    return size
   if schedule.primitive == "all_gather":
     return math.ceil(size / b)
   return math.ceil(size / schedule.num_chunks)
@@ -37,23 +41,48 @@ def block(xp, flat, schedule, length: int):
   return pad_to(xp, flat, b * length).reshape(b, length)
 
 
+def blocked_rows(xp, flat, schedule, length: int):
+  """The N equal blocks of ``flat``, each padded to its ``b`` rows: ``[N*b, L]``."""
+  n, b = schedule.axis_size, schedule.blocks_per_rank
+  size = flat.shape[0]
+  if size % n:
+    raise ValueError(f"{schedule.primitive} needs a size divisible by {n}, got {size}")
+  return pad_to(xp, flat.reshape(n, size // n), b * length).reshape(n * b, length)
+
+
+def output_start(schedule) -> int:
+  """all_to_all: the first row of the output region (N blocks, block j from rank j)."""
+  return schedule.num_chunks - schedule.axis_size * schedule.blocks_per_rank
+
+
 def to_rows(xp, flat, schedule, rank: int | None = None):
-  """The ``[C, L]`` starting buffer of one rank (all_gather: needs ``rank``)."""
-  n, c = schedule.axis_size, schedule.num_chunks
+  """The ``[C, L]`` starting buffer of one rank.
+
+  all_gather and all_to_all also start with the rank's own block in its place
+  (all_gather: its piece in block r; all_to_all: input block r copied to output
+  block r); with ``rank=None`` (the executor, where the rank is traced) the
+  caller puts it there.
+  """
+  c = schedule.num_chunks
   size = flat.shape[0]
   length = row_length(schedule, size)
   if schedule.primitive == "all_gather":
-    b = schedule.blocks_per_rank
     rows = xp.zeros((c, length), flat.dtype)
-    if rank is None:
-      return rows
-    rows[rank * b:(rank + 1) * b] = block(xp, flat, schedule, length)
+    if rank is not None:
+      b = schedule.blocks_per_rank
+      rows[rank * b:(rank + 1) * b] = block(xp, flat, schedule, length)
+    return rows
+  if schedule.primitive == "all_to_all":
+    inputs = blocked_rows(xp, flat, schedule, length)
+    rows = xp.concatenate([inputs, xp.zeros((c - inputs.shape[0], length), flat.dtype)])
+    if rank is not None:
+      b, out = schedule.blocks_per_rank, output_start(schedule)
+      rows[out + rank * b:out + (rank + 1) * b] = rows[rank * b:(rank + 1) * b]
     return rows
   if schedule.primitive == "reduce_scatter":
-    if size % n:
-      raise ValueError(f"reduce_scatter needs a size divisible by {n}, got {size}")
-    b = schedule.blocks_per_rank
-    return pad_to(xp, flat.reshape(n, size // n), b * length).reshape(c, length)
+    return blocked_rows(xp, flat, schedule, length).reshape(c, length)
+  if schedule.primitive == "shift":
+    return xp.stack([flat, xp.zeros_like(flat)])
   return pad_to(xp, flat, c * length).reshape(c, length)
 
 
@@ -66,6 +95,10 @@ def from_rows(xp, rows, schedule, size: int, rank: int | None = None):
   n = schedule.axis_size
   if schedule.primitive == "all_gather":
     return rows.reshape(n, -1)[:, :size].reshape(-1)
+  if schedule.primitive == "all_to_all":
+    return rows[output_start(schedule):].reshape(n, -1)[:, :size // n].reshape(-1)
+  if schedule.primitive == "shift":
+    return rows[1]
   if schedule.primitive == "reduce_scatter":
     b = schedule.blocks_per_rank
     mine = rows if rank is None else rows[rank * b:(rank + 1) * b]

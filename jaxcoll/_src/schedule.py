@@ -24,7 +24,8 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 Combine = Literal["reduce", "copy"]
-PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
+              "shift")
 
 
 class Message(NamedTuple):
@@ -108,6 +109,13 @@ class Step:
     return Step(tuple(transfers))
 
 
+class AxisTraffic(NamedTuple):
+  """What a schedule sends over one mesh axis: steps that use it, most bytes any rank sends."""
+
+  steps: int
+  bytes: float
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   """A collective as data.
@@ -121,14 +129,26 @@ class Schedule:
       block is chunks ``[r*C/N, (r+1)*C/N)``.
     steps: the steps, run in order.
     root: the root rank of ``broadcast`` and ``reduce``.
+    axis_sizes: the sizes of the mesh axes the ranks span, outermost first
+      (rank = ``np.ravel_multi_index(coords, axis_sizes)``, ``lax.axis_index``'s
+      order over a tuple of axes); ``(N,)`` for one axis. Hierarchical schedules
+      are built for a shape; :meth:`traffic` prices any schedule on any shape.
+    workspace_chunks: all_to_all only: rows between the input and the output
+      region that start zero (the in-flight area of multi-hop exchanges).
 
-  The buffer is the full message of M bytes: the per-device input of
-  all_reduce, reduce_scatter, broadcast and reduce, the per-device output of
-  all_gather. Rank r starts with its input there (all_gather: its piece in its
-  block, the rest zeros) and ends with: the reduction everywhere
+  The message is M bytes: the per-device input of all_reduce, reduce_scatter,
+  broadcast, reduce, all_to_all and shift, the per-device output of
+  all_gather. Rank r starts with its input in the buffer (all_gather: its piece
+  in its block, the rest zeros) and ends with: the reduction everywhere
   (all_reduce); the reduction of its block in its block (reduce_scatter); every
   rank's piece in place (all_gather); the root's buffer (broadcast); the
   reduction at the root (reduce).
+
+  all_to_all's buffer is ``[input | workspace | output]``: N input blocks (block
+  j is bound for rank j), ``workspace_chunks`` rows, and N output blocks (block
+  j comes from rank j); the rank's own block starts already copied into its
+  output block. shift's buffer is ``[input, output]``, the output zero: a rank
+  ends with its sender's input in row 1 (zeros if nobody sends to it).
   """
 
   primitive: str
@@ -137,13 +157,26 @@ class Schedule:
   num_chunks: int
   steps: tuple[Step, ...]
   root: int = 0
+  axis_sizes: tuple[int, ...] = ()
+  workspace_chunks: int = 0
 
   def __post_init__(self):
     if self.primitive not in PRIMITIVES:
       raise ValueError(f"unknown primitive {self.primitive!r}; expected one of {PRIMITIVES}")
     n, c = self.axis_size, self.num_chunks
+    if not self.axis_sizes:
+      object.__setattr__(self, "axis_sizes", (n,))
+    if int(np.prod(self.axis_sizes)) != n:
+      raise ValueError(f"axis_sizes {self.axis_sizes} do not multiply to axis_size {n}")
     if self.primitive in ("reduce_scatter", "all_gather") and c % n:
       raise ValueError(f"{self.primitive} schedules need num_chunks divisible by axis_size")
+    if self.primitive == "all_to_all" and (c - self.workspace_chunks) % (2 * n):
+      raise ValueError("all_to_all schedules need num_chunks - workspace_chunks divisible by "
+                       "2 * axis_size")
+    if self.primitive == "shift" and c != 2:
+      raise ValueError("shift schedules have 2 chunks: input and output")
+    if self.workspace_chunks and self.primitive != "all_to_all":
+      raise ValueError("only all_to_all schedules have workspace_chunks")
     for step in self.steps:
       for t in step.transfers:
         if not all(0 <= r < n for r in t.src + t.dst):
@@ -158,7 +191,17 @@ class Schedule:
 
   @property
   def blocks_per_rank(self) -> int:
+    """Chunks per rank's block (reduce_scatter, all_gather, all_to_all)."""
+    if self.primitive == "all_to_all":
+      return (self.num_chunks - self.workspace_chunks) // (2 * self.axis_size)
     return self.num_chunks // self.axis_size
+
+  @property
+  def message_chunks(self) -> int:
+    """How many chunks the M-byte message spans (the unit of ``bytes_per_rank``)."""
+    if self.primitive == "all_to_all":
+      return self.axis_size * self.blocks_per_rank
+    return 1 if self.primitive == "shift" else self.num_chunks
 
   @functools.cached_property
   def chunks_sent(self) -> np.ndarray:
@@ -179,7 +222,43 @@ class Schedule:
     """
     reduce_chunks, copy_chunks = self.chunks_sent
     per_rank = reduce_chunks * partial_sum_scale + copy_chunks
-    return float(per_rank.max(initial=0)) * nbytes / self.num_chunks
+    return float(per_rank.max(initial=0)) * nbytes / self.message_chunks
+
+  def traffic(self, nbytes: float, axis_sizes: Sequence[int] | None = None, *,
+              partial_sum_scale: float = 1.0) -> tuple[AxisTraffic, ...]:
+    """Steps and bytes per mesh axis, outermost first.
+
+    A message is charged to the outermost axis in which its two ranks'
+    coordinates differ (on a ("node", "local") mesh every message between
+    nodes crosses the node link). ``steps`` counts the steps with at least one
+    message on that axis, ``bytes`` the most any rank sends over it.
+
+    Args:
+      nbytes: M, as in :meth:`bytes_per_rank`.
+      axis_sizes: the shape to price on; default the schedule's own.
+      partial_sum_scale: as in :meth:`bytes_per_rank`.
+    """
+    shape = tuple(axis_sizes or self.axis_sizes)
+    if int(np.prod(shape)) != self.axis_size:
+      raise ValueError(f"axis_sizes {shape} do not multiply to axis_size {self.axis_size}")
+    coords = np.stack(np.unravel_index(np.arange(self.axis_size), shape), axis=1)
+    steps = np.zeros(len(shape), np.int64)
+    sent = np.zeros((len(shape), self.axis_size))
+    for step in self.steps:
+      crossed = np.zeros(len(shape), bool)
+      for t in step.transfers:
+        src, dst = np.asarray(t.src), np.asarray(t.dst)
+        differ = coords[src] != coords[dst]
+        axis = np.where(differ.any(1), differ.argmax(1), -1)
+        weight = t.chunks_per_message * (partial_sum_scale if t.combine == "reduce" else 1.0)
+        for a in range(len(shape)):
+          on = axis == a
+          crossed[a] |= on.any()
+          np.add.at(sent[a], src[on], weight)
+      steps += crossed
+    scale = nbytes / self.message_chunks
+    return tuple(AxisTraffic(int(s), float(b.max(initial=0)) * scale)
+                 for s, b in zip(steps, sent))
 
   @functools.cached_property
   def scratch_rows(self) -> int:
@@ -212,7 +291,8 @@ class Schedule:
 
     Returns:
       One flat array per rank: the buffer (all_reduce, broadcast, reduce,
-      all_gather) or the rank's block (reduce_scatter). Chunks are padded to
+      all_gather), the rank's block (reduce_scatter) or its output
+      (all_to_all, shift). Chunks are padded to
       equal length internally and the padding is dropped.
     """
     from jaxcoll._src import (

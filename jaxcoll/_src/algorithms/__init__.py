@@ -15,6 +15,7 @@ from collections.abc import Callable
 from jaxcoll._src.schedule import PRIMITIVES, Schedule
 
 NATIVE = "native"
+HIERARCHICAL = "hierarchical"   # runs over a tuple of axes; needs axis_sizes=
 ROOTED = ("broadcast", "reduce")
 _BUILDERS: dict[str, dict[str, Callable[..., Schedule]]] = {p: {} for p in PRIMITIVES}
 
@@ -27,10 +28,17 @@ def register(primitive: str, name: str):
   return wrap
 
 
-def algorithms(primitive: str) -> tuple[str, ...]:
-  """The algorithm names valid for ``primitive``, ``"native"`` (the jax.lax collective) last."""
+def algorithms(primitive: str, num_axes: int | None = None) -> tuple[str, ...]:
+  """The algorithm names valid for ``primitive``, ``"native"`` (the jax.lax collective) last.
+
+  With ``num_axes``, only those that run over that many mesh axes ("hierarchical"
+  needs a tuple of at least two; every other algorithm runs over any number).
+  """
   _check_primitive(primitive)
-  return (*_BUILDERS[primitive], NATIVE)
+  names = (*_BUILDERS[primitive], NATIVE)
+  if num_axes is not None and num_axes < 2:
+    names = tuple(a for a in names if a != HIERARCHICAL)
+  return names
 
 
 def _check_primitive(primitive: str) -> None:
@@ -56,7 +64,9 @@ def schedule(primitive: str, algorithm: str, axis_size: int, *, root: int = 0,
       collective has no schedule of ours).
     axis_size: N >= 1.
     root: the root rank (broadcast, reduce).
-    **options: algorithm options, e.g. ``pipeline=`` for "double_binary_tree".
+    **options: algorithm options: ``pipeline=`` for "double_binary_tree";
+      ``offset=``, ``wrap=`` for shift; ``axis_sizes=`` (outermost first) and
+      ``per_axis=`` (one flat algorithm per axis) for "hierarchical".
   """
   check_algorithm(primitive, algorithm)
   if algorithm in ("auto", NATIVE):
@@ -75,6 +85,7 @@ def schedule(primitive: str, algorithm: str, axis_size: int, *, root: int = 0,
 from jaxcoll._src.algorithms import bruck as _bruck  # noqa: E402,F401
 from jaxcoll._src.algorithms import direct as _direct  # noqa: E402,F401
 from jaxcoll._src.algorithms import halving_doubling as _hd  # noqa: E402,F401
+from jaxcoll._src.algorithms import hierarchical as _hier  # noqa: E402,F401
 from jaxcoll._src.algorithms import recursive_doubling as _rd  # noqa: E402,F401
 from jaxcoll._src.algorithms import ring as _ring  # noqa: E402,F401
 from jaxcoll._src.algorithms import trees as _trees  # noqa: E402,F401

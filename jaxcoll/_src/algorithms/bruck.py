@@ -1,15 +1,24 @@
-"""Bruck's all-gather (Bruck et al. 1997): ceil(log2 N) steps for any N.
+"""Bruck's algorithms (Bruck et al. 1997): ceil(log2 N) steps for any N.
 
-In step k (2^k < N) rank r sends the min(2^k, N - 2^k) blocks it holds,
-r, r+1, ... (mod N), to rank r - 2^k, which stores them at the same block
-indices, so no final rotation is needed. Cost: ceil(log2 N) steps and
+all_gather: in step k (2^k < N) rank r sends the min(2^k, N - 2^k) blocks it
+holds, r, r+1, ... (mod N), to rank r - 2^k, which stores them at the same
+block indices, so no final rotation is needed. Cost: ceil(log2 N) steps and
 (N-1)/N * M bytes per rank (M = the gathered output).
+
+all_to_all: the block from rank o bound for rank o + i travels "at distance
+i": in step k every rank sends all the blocks whose distance has bit k set to
+rank r + 2^k, so a block makes one hop per set bit. Bruck's local rotations
+are folded into the chunk indices: a block in flight at rank r sits in input
+row (r + i) mod N (the row its sender just freed), and lands in output row
+o on its last hop. Cost: ceil(log2 N) steps, sum_k |{0 < i < N : bit k of i}|
+blocks = about (N/2) log2 N * M/N bytes per rank: fewer steps than the
+pairwise exchange, more bytes (the small-message all-to-all).
 """
 
 from __future__ import annotations
 
 from jaxcoll._src.algorithms import register
-from jaxcoll._src.algorithms.common import build
+from jaxcoll._src.algorithms.common import build, log2_ceil
 from jaxcoll._src.schedule import Message
 
 
@@ -22,3 +31,17 @@ def all_gather(n: int):
                    for r in range(n) for blocks in [tuple((r + j) % n for j in range(count))]])
     dist <<= 1
   return build("all_gather", "bruck", n, n, rounds)
+
+
+@register("all_to_all", "bruck")
+def all_to_all(n: int):
+  rounds = []
+  for k in range(log2_ceil(n)):
+    dist = 1 << k
+    moving = [i for i in range(1, n) if i & dist]
+    def lands(dst, i, k=k):  # output row of the block's origin on its last hop, else in flight
+      return n + (dst - i) % n if i >> (k + 1) == 0 else (dst + i) % n
+    rounds.append([Message(r, (r + dist) % n, tuple((r + i) % n for i in moving),
+                           tuple(lands((r + dist) % n, i) for i in moving), "copy")
+                   for r in range(n)])
+  return build("all_to_all", "bruck", n, 2 * n, rounds)

@@ -9,10 +9,12 @@ from jaxcoll._src.schedule import Message, Schedule, Step
 Rounds = list[list[Message]]
 
 
-def build(primitive: str, algorithm: str, n: int, num_chunks: int, *rounds: Rounds) -> Schedule:
-  """A schedule from consecutive lists of rounds (empty rounds dropped)."""
+def build(primitive: str, algorithm: str, n: int, num_chunks: int, *rounds: Rounds,
+          **fields) -> Schedule:
+  """A schedule from consecutive lists of rounds (empty rounds dropped); ``fields`` are
+  further :class:`Schedule` fields (``axis_sizes``, ``workspace_chunks``)."""
   steps = tuple(Step.of(r) for part in rounds for r in part if r)
-  return Schedule(primitive, algorithm, n, num_chunks, steps)
+  return Schedule(primitive, algorithm, n, num_chunks, steps, **fields)
 
 
 def merge(*parts: Rounds) -> Rounds:

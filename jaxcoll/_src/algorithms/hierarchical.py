@@ -1,0 +1,224 @@
+"""Hierarchical collectives over several mesh axes, composed from flat schedules.
+
+The ranks span mesh axes of sizes ``axis_sizes = (s_0, ..., s_{k-1})``, the
+outermost (slowest link, e.g. "node") first; rank = ravel(coords), the order
+``lax.axis_index`` gives over the tuple. A *stage* runs one flat schedule over
+one axis t on every group of ranks that differ only in coordinate t, all groups
+in the same steps (:func:`embed`). Each stage's algorithm is chosen per axis
+(``per_axis``; default "ring", "direct" for all_to_all).
+
+all_reduce: reduce_scatter over the innermost axis, then the next one out on
+  the shard, ..., all_reduce over the outermost axis on a 1/(s_1...s_{k-1})
+  shard, then all_gather back in reverse (intra-node first). With rings on
+  (outer o, inner i): inner 2(i-1) steps and 2(i-1)/i * M bytes, outer 2(o-1)
+  steps and 2(o-1)/o * M/i bytes per device; a flat ring over the product puts
+  2(N-1)/N * M through the slowest link a device uses.
+reduce_scatter: innermost axis first, so the outer axis carries 1/s_{k-1} of
+  the data: rings give (i-1)/i * M over inner and (o-1)/o * M/i over outer.
+all_gather: the reverse, outermost first: (o-1)/o * M/i over outer, (i-1)/i * M
+  over inner (M = the gathered output).
+all_to_all: dimension-ordered routing, innermost axis first. A stage over axis
+  t forwards every block a device holds to the group member whose coordinate t
+  is the block's destination's, so across axis t each device sends s_t - 1
+  messages of N/s_t blocks. On (node, local) this is NCCL's PXN: o - 1 messages
+  cross the node link instead of (o-1)*i; bytes over outer stay (o-1)/o * M,
+  and the inner axis carries (i-1)/i * M more. Blocks in flight live in
+  workspace rows, one region of N per stage but the last.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxcoll._src.algorithms import register, schedule
+from jaxcoll._src.algorithms.common import Rounds, build
+from jaxcoll._src.schedule import Message, Schedule
+
+NAME = "hierarchical"
+DEFAULT_STAGE = {"all_to_all": "direct"}
+_STAGE_ALIASES = {("all_gather", "halving_doubling"): "recursive_doubling"}
+
+
+def stage_schedule(primitive: str, name: str | None, size: int) -> Schedule:
+  """The flat schedule a stage over one axis runs (names may alias: halving_doubling's
+  all_gather half is recursive_doubling)."""
+  name = name or DEFAULT_STAGE.get(primitive, "ring")
+  name = _STAGE_ALIASES.get((primitive, name), name)
+  if name in (NAME, "native", "auto"):
+    raise ValueError(f"per_axis: {name!r} cannot be a stage of a hierarchical {primitive}; "
+                     "name a flat algorithm")
+  return schedule(primitive, name, size)
+
+
+def groups(shape: Sequence[int], axis: int) -> list[tuple[int, ...]]:
+  """The groups of ranks that differ only in coordinate ``axis``, each in coordinate order."""
+  ranks = np.arange(math.prod(shape)).reshape(shape)
+  return [tuple(map(int, g)) for g in np.moveaxis(ranks, axis, -1).reshape(-1, shape[axis])]
+
+
+def split(chunks: tuple[int, ...], parts: int) -> list[tuple[int, ...]]:
+  if len(chunks) % parts:
+    raise AssertionError(f"{len(chunks)} chunks do not split into {parts}")
+  step = len(chunks) // parts
+  return [chunks[i * step:(i + 1) * step] for i in range(parts)]
+
+
+def embed(sub: Schedule, rank_groups: Sequence[Sequence[int]],
+          pieces: Sequence[Sequence[tuple[int, ...]]]) -> Rounds:
+  """Runs ``sub`` on every group at once: sub-rank k of a group is global rank group[k],
+  and sub-chunk c of global rank r is global chunks ``pieces[r][c]``. One round per step."""
+  rounds = []
+  for step in sub.steps:
+    msgs = []
+    for t in step.transfers:
+      for g in rank_groups:
+        for s, d, send, recv in zip(t.src, t.dst, t.send_chunks, t.recv_chunks):
+          src, dst = g[s], g[d]
+          msgs.append(Message(src, dst, sum((pieces[src][c] for c in send), ()),
+                              sum((pieces[dst][c] for c in recv), ()), t.combine))
+    rounds.append(msgs)
+  return rounds
+
+
+def _blocked_pieces(sub: Schedule, sub_blocks: Sequence[tuple[int, ...]]):
+  """Sub-chunks of a blocked sub-schedule: sub-block j's b chunks are sub_blocks[j] split b ways."""
+  return [p for blk in sub_blocks for p in split(blk, sub.blocks_per_rank)]
+
+
+def _check_shape(n: int, axis_sizes, per_axis) -> tuple[tuple[int, ...], tuple]:
+  if axis_sizes is None:
+    raise ValueError(f"{NAME} needs axis_sizes=(outer, ..., inner): the sizes of the mesh axes")
+  shape = tuple(int(s) for s in axis_sizes)
+  if len(shape) < 2 or math.prod(shape) != n:
+    raise ValueError(f"{NAME} runs over a tuple of at least two mesh axes whose sizes multiply "
+                     f"to the axis size {n}; got axis_sizes={axis_sizes}")
+  per_axis = tuple(per_axis) if per_axis else (None,) * len(shape)
+  if len(per_axis) != len(shape):
+    raise ValueError(f"per_axis={per_axis} must name one algorithm per axis {shape}")
+  return shape, per_axis
+
+
+@register("all_reduce", NAME)
+def all_reduce(n: int, *, axis_sizes=None, per_axis=None) -> Schedule:
+  shape, names = _check_shape(n, axis_sizes, per_axis)
+  k = len(shape)
+  rs = {t: stage_schedule("reduce_scatter", names[t], shape[t]) for t in range(1, k)}
+  ag = {t: stage_schedule("all_gather", names[t], shape[t]) for t in range(1, k)}
+  top = stage_schedule("all_reduce", names[0], shape[0])
+  chunks = top.num_chunks   # chunks needed at the outermost stage, then outward-in
+  for t in range(1, k):
+    chunks = math.lcm(rs[t].num_chunks, ag[t].num_chunks, shape[t] * chunks)
+  coords = np.stack(np.unravel_index(np.arange(n), shape), axis=1)
+  held = [tuple(range(chunks))] * n
+  down, up = [], []
+  for t in range(k - 1, 0, -1):
+    parts = [split(h, shape[t]) for h in held]
+    down += embed(rs[t], groups(shape, t), [_blocked_pieces(rs[t], p) for p in parts])
+    up = embed(ag[t], groups(shape, t), [_blocked_pieces(ag[t], p) for p in parts]) + up
+    held = [p[coords[r, t]] for r, p in enumerate(parts)]
+  middle = embed(top, groups(shape, 0), [split(h, top.num_chunks) for h in held])
+  return build("all_reduce", NAME, n, chunks, down, middle, up, axis_sizes=shape)
+
+
+def _blocked(primitive: str, n: int, axis_sizes, per_axis, order: Sequence[int]) -> Schedule:
+  """reduce_scatter (innermost axis first) or all_gather (outermost first) over blocks.
+
+  Global block q (rank q's) is chunks [q*g, (q+1)*g). Before the stage over axis t,
+  with the axes in ``done`` processed, rank r's working set is the blocks q whose
+  coordinates equal r's on ``done`` (reduce_scatter: it still reduces them) or on
+  the unprocessed axes (all_gather: it holds them); sub-block j is the part with
+  coordinate t equal to j.
+  """
+  shape, names = _check_shape(n, axis_sizes, per_axis)
+  stages = {t: stage_schedule(primitive, names[t], shape[t]) for t in order}
+  g = math.lcm(*(s.blocks_per_rank for s in stages.values()))
+  coords = np.stack(np.unravel_index(np.arange(n), shape), axis=1)
+  rounds, done = [], []
+  for t in order:
+    pieces = []
+    for r in range(n):
+      fixed = done if primitive == "reduce_scatter" else [u for u in range(len(shape))
+                                                          if u not in done and u != t]
+      mine = np.all(coords[:, fixed] == coords[r, fixed], axis=1)
+      sub_blocks = [tuple(c for q in np.flatnonzero(mine & (coords[:, t] == j))
+                          for c in range(q * g, (q + 1) * g)) for j in range(shape[t])]
+      pieces.append(_blocked_pieces(stages[t], sub_blocks))
+    rounds += embed(stages[t], groups(shape, t), pieces)
+    done.append(t)
+  return build(primitive, NAME, n, n * g, rounds, axis_sizes=shape)
+
+
+@register("reduce_scatter", NAME)
+def reduce_scatter(n: int, *, axis_sizes=None, per_axis=None) -> Schedule:
+  return _blocked("reduce_scatter", n, axis_sizes, per_axis,
+                  order=range(len(axis_sizes or ()) - 1, -1, -1))
+
+
+@register("all_gather", NAME)
+def all_gather(n: int, *, axis_sizes=None, per_axis=None) -> Schedule:
+  return _blocked("all_gather", n, axis_sizes, per_axis, order=range(len(axis_sizes or ())))
+
+
+@register("all_to_all", NAME)
+def all_to_all(n: int, *, axis_sizes=None, per_axis=None) -> Schedule:
+  """Dimension-ordered all-to-all; see the module docstring.
+
+  A block is identified by (source, destination). Before the stage over axis t
+  (axes ``done`` processed) it sits at the rank with its destination's
+  coordinates on ``done`` and its source's elsewhere. The blocks a rank sends
+  to group member j and those it receives from j are enumerated by the same
+  free coordinates (source on ``done``, destination on the rest but t), so
+  sender and receiver list them in the same order.
+  """
+  shape, names = _check_shape(n, axis_sizes, per_axis)
+  k = len(shape)
+  out = k * n
+  loc = {(s, d): d for s in range(n) for d in range(n)}   # row at the block's current holder
+  rounds: Rounds = []
+  done: list[int] = []
+  for stage, t in enumerate(range(k - 1, -1, -1)):
+    sub = stage_schedule("all_to_all", names[t], shape[t])
+    if sub.workspace_chunks or sub.blocks_per_rank != 1:
+      raise ValueError(f"per_axis: {sub.algorithm!r} cannot be a stage of a hierarchical "
+                       "all_to_all (it needs its own workspace)")
+    rest = [u for u in range(k) if u != t]
+    frees = list(itertools.product(*(range(shape[u]) for u in rest)))
+    pieces, moved = [], {}
+    for r in range(n):
+      rc = np.unravel_index(r, shape)
+      block = functools.partial(_routed_block, shape, rc, t, rest, done)
+      send = [tuple(loc[block(j, f, sending=True)] for f in frees) for j in range(shape[t])]
+      recv = []
+      for j in range(shape[t]):
+        if j == rc[t]:
+          recv.append(send[j])   # blocks that stay put
+          continue
+        rows = []
+        for i, f in enumerate(frees):
+          b = block(j, f, sending=False)
+          last = all(rc[u] == f[rest.index(u)] for u in rest if u not in done)
+          moved[b] = out + b[0] if last else n * (1 + stage) + j * len(frees) + i
+          rows.append(moved[b])
+        recv.append(tuple(rows))
+      pieces.append(send + recv)
+    rounds += embed(sub, groups(shape, t), pieces)
+    loc.update(moved)
+    done.append(t)
+  return build("all_to_all", NAME, n, (k + 1) * n, rounds, axis_sizes=shape,
+               workspace_chunks=(k - 1) * n)
+
+
+def _routed_block(shape, rc, t, rest, done, j, free, *, sending):
+  """(source, destination) of the all_to_all block that rank ``rc`` sends to (``sending``)
+  or receives from group member j in the stage over axis t, with free coordinates ``free``
+  on the axes ``rest``."""
+  src, dst = list(rc), list(rc)
+  for u, f in zip(rest, free):
+    (src if u in done else dst)[u] = f
+  (dst if sending else src)[t] = j
+  return int(np.ravel_multi_index(src, shape)), int(np.ravel_multi_index(dst, shape))
