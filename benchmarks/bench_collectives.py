@@ -10,15 +10,16 @@ alike. Each call is timed with ``time.perf_counter()`` around
 
 Bandwidths follow nccl-tests (PERFORMANCE.md): algbw = M / t and
 busbw = algbw * factor, with factor 2(N-1)/N for all_reduce and (N-1)/N for
-reduce_scatter and all_gather. M is the collective's buffer: the per-device
-input for all_reduce and reduce_scatter, the gathered per-device *output* for
-all_gather (each device contributes M / N). "x native" is the median time
+reduce_scatter, all_gather and all_to_all. M is the collective's buffer: the
+per-device input for all_reduce, reduce_scatter and all_to_all, the gathered
+per-device *output* for all_gather (each device contributes M / N). "x native" is the median time
 divided by native's median time (> 1: slower than jax.lax).
 
 Examples:
   python benchmarks/bench_collectives.py                     # full default sweep
   python benchmarks/bench_collectives.py --sizes 4K,1M --reps 3
   python benchmarks/bench_collectives.py --primitive all_gather --json ag.json
+  python benchmarks/bench_collectives.py --primitive all_to_all --sizes 4K,64K,1M,16M,64M
   python benchmarks/bench_collectives.py --hlo               # HLO of the 16 MiB ring, then exit
 """
 
@@ -49,7 +50,7 @@ import jaxcoll  # noqa: E402
 
 N_DEVICES = 8
 DTYPE = np.float32
-BENCH_PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather")
+BENCH_PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 # Sizes at or above this many bytes get --large-reps repetitions (default: --reps). Measured on
 # 2 cores, one rep of the default sweep with all 7 all_reduce algorithms takes ~17 s (64 MiB:
@@ -103,38 +104,46 @@ def make_case(primitive: str, algorithm: str, mesh, nbytes: int):
   all_reduce:     each device has M bytes as [1, M/4]; out_specs=P() (replicated).
   reduce_scatter: each device has M bytes as [M/4], scatters dim 0 (tiled) -> [M/4/N].
   all_gather:     each device has M/N bytes, gathers (tiled) to the M-byte output.
+  all_to_all:     each device has M bytes as [M/4], block j of dim 0 to device j (tiled).
   """
   n = mesh.devices.size
+  ax = mesh.axis_names if len(mesh.axis_names) > 1 else mesh.axis_names[0]
   elems = nbytes // np.dtype(DTYPE).itemsize
   native = algorithm == "native"
   if primitive == "all_reduce":
     shape, out_specs = (n, elems), P()
     if native:
-      body = lambda v: lax.psum(v, "x")
+      body = lambda v: lax.psum(v, ax)
     else:
-      body = lambda v: jaxcoll.all_reduce(v, "x", algorithm=algorithm)
+      body = lambda v: jaxcoll.all_reduce(v, ax, algorithm=algorithm)
   elif primitive == "reduce_scatter":
-    shape, out_specs = (n * elems,), P("x")
+    shape, out_specs = (n * elems,), P(mesh.axis_names)
     if native:
-      body = lambda v: lax.psum_scatter(v, "x", scatter_dimension=0, tiled=True)
+      body = lambda v: lax.psum_scatter(v, ax, scatter_dimension=0, tiled=True)
     else:
-      body = lambda v: jaxcoll.reduce_scatter(v, "x", scatter_dimension=0, tiled=True,
+      body = lambda v: jaxcoll.reduce_scatter(v, ax, scatter_dimension=0, tiled=True,
                                               algorithm=algorithm)
   elif primitive == "all_gather":
-    shape, out_specs = (elems,), P("x")
+    shape, out_specs = (elems,), P(mesh.axis_names)
     if native:
-      body = lambda v: lax.all_gather(v, "x", axis=0, tiled=True)
+      body = lambda v: lax.all_gather(v, ax, axis=0, tiled=True)
     else:
-      body = lambda v: jaxcoll.all_gather(v, "x", axis=0, tiled=True, algorithm=algorithm)
+      body = lambda v: jaxcoll.all_gather(v, ax, axis=0, tiled=True, algorithm=algorithm)
+  elif primitive == "all_to_all":
+    shape, out_specs = (n * elems,), P(mesh.axis_names)
+    if native:
+      body = lambda v: lax.all_to_all(v, ax, 0, 0, tiled=True)
+    else:
+      body = lambda v: jaxcoll.all_to_all(v, ax, 0, 0, tiled=True, algorithm=algorithm)
   else:
     raise ValueError(primitive)
-  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=out_specs))
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(mesh.axis_names), out_specs=out_specs))
   return fn, shape
 
 
 def check_size(primitive: str, nbytes: int, n: int) -> None:
   itemsize = np.dtype(DTYPE).itemsize
-  unit = itemsize * (n if primitive in ("reduce_scatter", "all_gather") else 1)
+  unit = itemsize * (n if primitive in ("reduce_scatter", "all_gather", "all_to_all") else 1)
   if nbytes % unit:
     raise SystemExit(f"size {nbytes} B: {primitive} on {n} devices needs a multiple of {unit} B")
 
@@ -268,7 +277,7 @@ def hlo_report(mesh, nbytes: int = 16 << 20) -> None:
 def run_benchmark(args, mesh) -> int:
   primitive = args.primitive
   n = mesh.devices.size
-  algos = list(jaxcoll.algorithms(primitive))
+  algos = list(jaxcoll.algorithms(primitive, num_axes=len(mesh.axis_names)))
   if args.algorithms:
     wanted = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     unknown = sorted(set(wanted) - set(algos))
@@ -286,6 +295,7 @@ def run_benchmark(args, mesh) -> int:
   print(f"- jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
         f"Python {platform.python_version()}, {platform.machine()}")
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  print(f"- mesh: {dict(mesh.shape)}, collectives over {mesh.axis_names}")
   print(f"- devices: {n} x {jax.devices()[0].platform} (single process), CPU cores available: "
         f"{cores}")
   print(f"- allocator: {allocator()}")
@@ -309,7 +319,7 @@ def run_benchmark(args, mesh) -> int:
       fn, shape = make_case(primitive, algo, mesh, s)
       if s not in inputs:
         host = rng.standard_normal(shape, dtype=DTYPE)
-        inputs[s] = jax.device_put(host, NamedSharding(mesh, P("x")))
+        inputs[s] = jax.device_put(host, NamedSharding(mesh, P(mesh.axis_names)))
         del host
       t0 = time.perf_counter()
       out = fn(inputs[s]).block_until_ready()  # compile + first run
@@ -395,6 +405,9 @@ def main(argv=None) -> int:
   parser.add_argument("--algorithms", default="",
                       help="comma list of algorithms (default: all; native is always added)")
   parser.add_argument("--json", default="", metavar="PATH", help="dump raw times to PATH")
+  parser.add_argument("--mesh", default="8", choices=("8", "2x4", "4x2"),
+                      help="8: one axis 'x'; 2x4 / 4x2: axes ('node', 'local'), every collective "
+                      "over the tuple, hierarchical included (default 8)")
   parser.add_argument("--hlo", action="store_true",
                       help="print op counts of the optimized HLO of the 16 MiB ring all_reduce "
                       "and what one ring step does, then exit")
@@ -407,7 +420,11 @@ def main(argv=None) -> int:
   devices = jax.devices()
   if len(devices) < N_DEVICES:
     raise SystemExit(f"need {N_DEVICES} devices, found {len(devices)}")
-  mesh = jax.sharding.Mesh(np.array(devices[:N_DEVICES]), ("x",))
+  if args.mesh == "8":
+    mesh = jax.sharding.Mesh(np.array(devices[:N_DEVICES]), ("x",))
+  else:
+    shape = tuple(int(d) for d in args.mesh.split("x"))
+    mesh = jax.sharding.Mesh(np.array(devices[:N_DEVICES]).reshape(shape), ("node", "local"))
   if args.hlo:
     hlo_report(mesh)
     return 0

@@ -29,28 +29,6 @@ PER_DEVICE = 1000
 TOLERANCE = 1e-4
 
 
-def print_table(headers, rows):
-  """A rich table when rich is importable, else plain aligned text."""
-  try:
-    from rich.console import Console
-    from rich.table import Table
-  except ImportError:
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-    fmt = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)
-                                  for i, (c, w) in enumerate(zip(cells, widths)))
-    print(fmt(headers))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-      print(fmt(row))
-    return
-  table = Table(title=f"all_reduce on {N_DEVICES} devices, {PER_DEVICE} float32 per device")
-  for i, h in enumerate(headers):
-    table.add_column(h, justify="left" if i == 0 else "right")
-  for row in rows:
-    table.add_row(*map(str, row))
-  Console().print(table)
-
-
 def main() -> None:
   devices = jax.devices()
   if len(devices) < N_DEVICES:
@@ -70,7 +48,7 @@ def main() -> None:
 
   nbytes = PER_DEVICE * np.dtype(np.float32).itemsize
   rows, failed = [], []
-  for algo in jaxcoll.algorithms("all_reduce"):
+  for algo in jaxcoll.algorithms("all_reduce", num_axes=1):   # hierarchical: see hierarchical.py
     got = np.asarray(run(lambda v, algo=algo: jaxcoll.all_reduce(v, "x", algorithm=algo)))
     err = float(np.max(np.abs(got - expected)))
     if algo == "native":
@@ -84,7 +62,8 @@ def main() -> None:
 
   print(f"jax {jax.__version__}, {N_DEVICES} x {devices[0].platform} devices, "
         f"message {nbytes:,} bytes per device")
-  print_table(("algorithm", "steps", "bytes per rank", "max abs err vs lax"), rows)
+  jaxcoll.Table.of(f"all_reduce on {N_DEVICES} devices, {PER_DEVICE} float32 per device",
+                   ("algorithm", "steps", "bytes per rank", "max abs err vs lax"), rows).print()
   if failed:
     worst = ", ".join(f"{a}={e:.3g}" for a, e in failed)
     raise SystemExit(f"FAILED (error > {TOLERANCE:g}): {worst}")
