@@ -1,6 +1,7 @@
 """jaxcoll: custom collective communication for JAX, built from ppermute schedules."""
 
 from jaxcoll._src.algorithms import algorithms, schedule
+from jaxcoll._src.calibrate import calibrate
 from jaxcoll._src.collectives import (
   all_gather,
   all_reduce,
@@ -10,7 +11,10 @@ from jaxcoll._src.collectives import (
   reduce_scatter,
   shift,
 )
+from jaxcoll._src.config import config
 from jaxcoll._src.dispatch import Hierarchical
+from jaxcoll._src.explain import Explanation, explain
+from jaxcoll._src.profile import Link, NativeTimes, Profile
 from jaxcoll._src.schedule import PRIMITIVES, AxisTraffic, Schedule, Step, Transfer
 from jaxcoll._src.table import Table
 
@@ -19,7 +23,11 @@ __version__ = "0.1.0"
 __all__ = (
     "PRIMITIVES",
     "AxisTraffic",
+    "Explanation",
     "Hierarchical",
+    "Link",
+    "NativeTimes",
+    "Profile",
     "Schedule",
     "Step",
     "Table",
@@ -29,6 +37,9 @@ __all__ = (
     "all_reduce",
     "all_to_all",
     "broadcast",
+    "calibrate",
+    "config",
+    "explain",
     "reduce",
     "reduce_scatter",
     "schedule",

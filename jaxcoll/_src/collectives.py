@@ -55,8 +55,10 @@ def _replicated(y, axes):
   return mark_invariant(y, axes) if check_vma_enabled(axes) else y
 
 
-def _resolve(primitive, algorithm, axes, nbytes):
-  return dispatch.resolve(primitive, algorithm, axis_sizes=axes_lib.sizes(axes), nbytes=nbytes)
+def _resolve(primitive, algorithm, axes, nbytes, accumulate=None, dtype=None):
+  scale = 1.0 if accumulate is None else np.dtype(accumulate).itemsize / np.dtype(dtype).itemsize
+  return dispatch.resolve(primitive, algorithm, axis_names=axes, axis_sizes=axes_lib.sizes(axes),
+                          nbytes=nbytes, partial_sum_scale=scale)
 
 
 def _run(primitive, algorithm, n, flat, axes, *, op="sum", root=0, accumulate=None,
@@ -107,7 +109,7 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
   def leaf(x):
     x = _prepare(x, op)
     acc = _check_accumulate(accumulate_dtype, x.dtype)
-    algo, options = _resolve("all_reduce", algorithm, axes, x.nbytes)
+    algo, options = _resolve("all_reduce", algorithm, axes, x.nbytes, acc, x.dtype)
     if algo == NATIVE:
       if op == "prod":
         return _replicated(jnp.prod(lax.all_gather(x, axes), axis=0, dtype=x.dtype), axes)
@@ -142,7 +144,7 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
       need = f"equal to the axis size {n}" if not tiled else f"divisible by the axis size {n}"
       raise ValueError(f"scatter_dimension={scatter_dimension}: x.shape[{d}] = {extent} must be "
                        f"{need} (tiled={tiled})")
-    algo, options = _resolve("reduce_scatter", algorithm, axes, x.nbytes)
+    algo, options = _resolve("reduce_scatter", algorithm, axes, x.nbytes, acc, x.dtype)
     if algo == NATIVE:
       if op in ("sum", "mean"):
         y = lax.psum_scatter(x, axes, scatter_dimension=d, tiled=tiled)

@@ -1,17 +1,29 @@
 """Resolving ``algorithm=`` for one call: "auto", a name, or :class:`Hierarchical`.
 
-Until the cost-model dispatcher lands, "auto" is "native": measured on the
-single-process CPU testbed (README, Performance), the jax.lax
-collective beat every ppermute schedule at every size, so it is the choice that
-is never slow. The rule is a pure function of static information, so every
-process of a job picks the same algorithm.
+"auto" defers to the overrides of :mod:`jaxcoll._src.config`, then to the cost
+model: the argmin of the predicted time (:mod:`jaxcoll._src.cost`) over every
+algorithm of the primitive that runs on these axes, native included, with
+hierarchical's per-axis stages chosen too. Ties go to native, then to the
+order of ``algorithms()``. The choice is a pure function of static
+information (primitive, message bytes, axis names and sizes, profile), so every
+process of a multi-process job picks the same algorithm.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 
+import jax
+
+from jaxcoll._src import config as config_lib
+from jaxcoll._src import cost
 from jaxcoll._src.algorithms import HIERARCHICAL, NATIVE, check_algorithm
+from jaxcoll._src.profile import Profile
+
+DEFAULT_PRESET = {"cpu": "cpu", "gpu": "h100-nvlink", "cuda": "h100-nvlink", "rocm": "h100-nvlink",
+                  "tpu": "tpu-v5p-ici"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,19 +39,67 @@ class Hierarchical:
   per_axis: tuple[str | None, ...] = ()
 
 
-def resolve(primitive: str, algorithm, *, axis_sizes: tuple[int, ...],
-            nbytes: int) -> tuple[str, dict]:
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One algorithm auto weighs: its label, name, schedule options and predicted seconds."""
+
+  label: str
+  algorithm: str
+  options: tuple
+  predicted_s: float
+  schedule: object = None   # None for native
+
+
+def profile_in_use(profile: Profile | None = None) -> Profile:
+  """``profile``, else the configured one, else the preset of the default backend."""
+  if profile is not None:
+    return profile
+  if config_lib.current().profile is not None:
+    return config_lib.current().profile
+  return Profile.preset(DEFAULT_PRESET.get(jax.default_backend(), "cpu"))
+
+
+def candidates(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[int],
+               nbytes: float, profile: Profile, *, partial_sum_scale: float = 1.0):
+  """Every algorithm "auto" weighs, native first, with its predicted time."""
+  native = cost.predict_native(primitive, profile, axis_names, axis_sizes, nbytes)
+  out = [Candidate(NATIVE, NATIVE, (), native)]
+  for label, algo, options, sched in cost.candidate_schedules(primitive, axis_sizes):
+    t = cost.predict(sched, profile, axis_names, axis_sizes, nbytes,
+                     partial_sum_scale=partial_sum_scale)
+    out.append(Candidate(label, algo, tuple(sorted(options.items())), t, sched))
+  return out
+
+
+def choose(primitive, axis_names, axis_sizes, nbytes, profile, *, partial_sum_scale=1.0):
+  """The candidate auto picks (min predicted time; the first of equals)."""
+  options = candidates(primitive, axis_names, axis_sizes, nbytes, profile,
+                       partial_sum_scale=partial_sum_scale)
+  return min(options, key=lambda c: c.predicted_s)
+
+
+def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],
+            axis_sizes: tuple[int, ...], nbytes: int,
+            partial_sum_scale: float = 1.0) -> tuple[str, dict]:
   """The concrete algorithm to run for one call and its schedule options."""
-  del nbytes
+  if isinstance(algorithm, str) and algorithm == "auto":
+    algorithm = config_lib.override(primitive) or "auto"
   per_axis = None
   if isinstance(algorithm, Hierarchical):
     algorithm, per_axis = HIERARCHICAL, tuple(algorithm.per_axis) or None
   if not isinstance(algorithm, str):
     raise ValueError(f"algorithm={algorithm!r}: expected a name or jaxcoll.Hierarchical")
   check_algorithm(primitive, algorithm)
+  if algorithm == "auto":
+    if math.prod(axis_sizes) <= 1:
+      return NATIVE, {}
+    pick = choose(primitive, tuple(axis_names), tuple(axis_sizes), nbytes, profile_in_use(),
+                  partial_sum_scale=partial_sum_scale)
+    return pick.algorithm, dict(pick.options)
   if algorithm == HIERARCHICAL:
     if len(axis_sizes) < 2:
       raise ValueError(f"algorithm='hierarchical' runs over a tuple of mesh axes "
                        f"(outer, ..., inner); axis_name names one axis of size {axis_sizes[0]}")
     return HIERARCHICAL, {"axis_sizes": axis_sizes, "per_axis": per_axis}
-  return (NATIVE if algorithm == "auto" else algorithm), {}
+  return algorithm, {}
+

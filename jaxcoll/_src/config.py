@@ -1,0 +1,107 @@
+"""What ``algorithm="auto"`` defers to: ``jaxcoll.config`` and ``JAXCOLL_ALGORITHM``.
+
+Most specific first: the call's ``algorithm=`` argument (anything but "auto");
+the innermost ``jaxcoll.config(algorithm={primitive: name})``; the environment
+variable ``JAXCOLL_ALGORITHM`` (``all_reduce=ring,all_gather=bruck``, in the
+spirit of NCCL_ALGO); the cost model under the configured profile
+(``jaxcoll.config(profile=...)``, default: the preset of the backend).
+
+Configuration is read when a function is traced: a jitted function keeps the
+choice it was traced with until it is traced again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from jaxcoll._src.algorithms import check_algorithm
+from jaxcoll._src.profile import Profile
+from jaxcoll._src.schedule import PRIMITIVES
+
+ENV_ALGORITHM = "JAXCOLL_ALGORITHM"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  algorithm: tuple[tuple[str, object], ...] = ()
+  profile: Profile | None = None
+
+
+_current = Config()
+
+
+def current() -> Config:
+  return _current
+
+
+def _check_choice(primitive, algorithm, where: str):
+  from jaxcoll._src.dispatch import Hierarchical
+  if primitive not in PRIMITIVES:
+    raise ValueError(f"{where}: {primitive!r} is not a collective; expected one of {PRIMITIVES}")
+  if not isinstance(algorithm, Hierarchical):
+    if not isinstance(algorithm, str):
+      raise ValueError(f"{where}: algorithm {algorithm!r} for {primitive} must be a name")
+    check_algorithm(primitive, algorithm, argument=f"{where}[{primitive!r}]")
+
+
+class config:  # noqa: N801 (used like a function: jaxcoll.config(...))
+  """Sets what ``algorithm="auto"`` uses; as a ``with`` block, only inside it.
+
+  Args:
+    algorithm: ``{primitive: algorithm}`` (a name or ``Hierarchical``) that
+      "auto" resolves to for that primitive.
+    profile: the :class:`Profile` (or a preset name) the cost model prices with.
+
+  ``jaxcoll.config(profile=p)`` sets it from now on; ``with jaxcoll.config(...):``
+  restores the previous configuration on exit. Unnamed fields keep their value.
+  """
+
+  def __init__(self, *, algorithm: Mapping | None = None, profile: Profile | str | None = None):
+    global _current
+    if algorithm is not None:
+      if not isinstance(algorithm, Mapping):
+        raise ValueError(f"config(algorithm={algorithm!r}): expected a mapping "
+                         "{primitive: algorithm}")
+      for p, a in algorithm.items():
+        _check_choice(p, a, "config(algorithm=...)")
+    if isinstance(profile, str):
+      profile = Profile.preset(profile)
+    if profile is not None and not isinstance(profile, Profile):
+      raise ValueError(f"config(profile={profile!r}): expected a jaxcoll.Profile or a preset name")
+    self._previous = _current
+    merged = dict(_current.algorithm)
+    merged.update(algorithm or {})
+    _current = Config(tuple(sorted(merged.items())),
+                      profile if profile is not None else _current.profile)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    global _current
+    _current = self._previous
+    return False
+
+
+def env_algorithms() -> dict[str, str]:
+  """``JAXCOLL_ALGORITHM`` parsed and checked: ``{primitive: algorithm}``."""
+  text = os.environ.get(ENV_ALGORITHM, "").strip()
+  out = {}
+  for item in filter(None, (s.strip() for s in text.split(","))):
+    primitive, sep, algorithm = item.partition("=")
+    if not sep:
+      raise ValueError(f"{ENV_ALGORITHM}={text!r}: expected primitive=algorithm pairs separated "
+                       "by commas, e.g. all_reduce=ring,all_gather=bruck")
+    _check_choice(primitive.strip(), algorithm.strip(), ENV_ALGORITHM)
+    out[primitive.strip()] = algorithm.strip()
+  return out
+
+
+def override(primitive: str):
+  """The algorithm "auto" is overridden to for ``primitive``, or None."""
+  configured = dict(_current.algorithm)
+  if primitive in configured:
+    return configured[primitive]
+  return env_algorithms().get(primitive)

@@ -1,0 +1,127 @@
+"""``jaxcoll.explain``: every algorithm of a collective priced on a profile, auto's pick marked."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from jaxcoll._src import config as config_lib
+from jaxcoll._src import dispatch
+from jaxcoll._src.algorithms import NATIVE
+from jaxcoll._src.profile import Profile
+from jaxcoll._src.schedule import PRIMITIVES
+from jaxcoll._src.table import Table
+
+
+@dataclasses.dataclass(frozen=True)
+class ExplainRow:
+  """One algorithm: steps, most bytes a device sends per axis, predicted seconds."""
+
+  algorithm: str
+  steps: int | None
+  bytes: dict | None
+  predicted_s: float
+  chosen: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+  """What ``algorithm="auto"`` would run for one call, and why. Prints as a table."""
+
+  primitive: str
+  axis_names: tuple[str, ...]
+  axis_sizes: tuple[int, ...]
+  nbytes: int
+  profile: str
+  chosen: str
+  overridden: bool
+  rows: tuple[ExplainRow, ...]
+
+  def table(self) -> Table:
+    shape = "x".join(map(str, self.axis_sizes))
+    why = "overridden by config / JAXCOLL_ALGORITHM" if self.overridden else "min predicted time"
+    title = (f"{self.primitive} of {_fmt_bytes(self.nbytes)} over {self.axis_names} ({shape}), "
+             f"profile {self.profile or 'custom'}: auto -> {self.chosen} ({why})")
+    headers = ("algorithm", "steps", *(f"bytes over {a}" for a in self.axis_names),
+               "predicted", "")
+    rows = []
+    for r in sorted(self.rows, key=lambda r: r.predicted_s):
+      per_axis = [_fmt_bytes(r.bytes[a]) if r.bytes else "-" for a in self.axis_names]
+      rows.append((r.algorithm, "-" if r.steps is None else r.steps, *per_axis,
+                   _fmt_seconds(r.predicted_s), "<- auto" if r.chosen else ""))
+    return Table.of(title, headers, rows)
+
+  def __str__(self) -> str:
+    return str(self.table())
+
+  def __rich__(self):
+    return self.table().__rich__()
+
+
+def explain(primitive: str, x, mesh, axis_name, profile: Profile | None = None, *,
+            accumulate_dtype=None) -> Explanation:
+  """Prices every algorithm of ``primitive`` for ``x`` on ``mesh``'s ``axis_name``.
+
+  Args:
+    primitive: one of ``PRIMITIVES``.
+    x: the per-device input as the collective sees it inside shard_map: an array
+      or anything with ``.shape`` and ``.dtype`` (``jax.ShapeDtypeStruct``).
+      For all_gather, M is the gathered output (N times x).
+    mesh: a ``jax.sharding.Mesh`` (or abstract mesh) with the axes.
+    axis_name: a mesh axis or a tuple of them.
+    profile: the profile to price with (default: the one "auto" uses).
+    accumulate_dtype: as the collective's argument (float32 partial sums).
+
+  Returns:
+    An :class:`Explanation`; ``.chosen`` is what "auto" runs (including
+    ``jaxcoll.config`` / ``JAXCOLL_ALGORITHM`` overrides), ``.rows`` every
+    algorithm with its steps, bytes per axis and predicted seconds.
+  """
+  if primitive not in PRIMITIVES:
+    raise ValueError(f"primitive={primitive!r} is not a collective; expected one of {PRIMITIVES}")
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  shape_of = dict(mesh.shape)
+  for a in axes:
+    if a not in shape_of:
+      raise ValueError(f"axis_name={a!r} is not an axis of the mesh; its axes: {tuple(shape_of)}")
+  sizes = tuple(int(shape_of[a]) for a in axes)
+  n = math.prod(sizes)
+  dtype = np.dtype(x.dtype)
+  nbytes = int(math.prod(x.shape)) * dtype.itemsize * (n if primitive == "all_gather" else 1)
+  scale = 1.0 if accumulate_dtype is None else np.dtype(accumulate_dtype).itemsize / dtype.itemsize
+  profile = dispatch.profile_in_use(profile)
+  candidates = dispatch.candidates(primitive, axes, sizes, nbytes, profile,
+                                   partial_sum_scale=scale)
+  override = config_lib.override(primitive)
+  if override is None:
+    chosen = min(candidates, key=lambda c: c.predicted_s).label
+  elif isinstance(override, dispatch.Hierarchical):
+    chosen = f"hierarchical({','.join(a or 'ring' for a in override.per_axis)})"
+  else:
+    chosen = override
+  rows = []
+  for c in candidates:
+    if c.algorithm == NATIVE:
+      steps, per_axis = None, None
+    else:
+      traffic = c.schedule.traffic(nbytes, sizes, partial_sum_scale=scale)
+      steps, per_axis = c.schedule.num_steps, {a: t.bytes for a, t in zip(axes, traffic)}
+    rows.append(ExplainRow(c.label, steps, per_axis, c.predicted_s, c.label == chosen))
+  return Explanation(primitive, axes, sizes, nbytes, profile.name, chosen, override is not None,
+                     tuple(rows))
+
+
+def _fmt_bytes(b: float) -> str:
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if b >= size:
+      return f"{b / size:.3g} {unit}"
+  return f"{b:.0f} B"
+
+
+def _fmt_seconds(s: float) -> str:
+  for unit, size in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+    if s >= size:
+      return f"{s / size:.3g} {unit}"
+  return f"{s * 1e9:.3g} ns"

@@ -1,0 +1,204 @@
+"""Link profiles: what one step over each mesh axis costs, and what the lax collectives cost.
+
+A :class:`Link` prices one ppermute step over a mesh axis with the alpha-beta
+model: ``alpha + beta * bytes`` (bytes: the most any device sends over that axis
+in the step). A :class:`Profile` maps axis names to links (``"*"``: every axis
+not named), adds ``gamma`` (seconds per byte a device combines locally),
+``overhead`` (seconds per collective call, paid once), and optionally measured
+times of the jax.lax collectives (``native``), which :func:`jaxcoll.calibrate`
+records. Profiles are frozen, hashable, and saved and loaded as JSON.
+
+Presets (``Profile.preset(name)``): per-direction link rates from vendor data
+sheets, alpha an estimate of one XLA collective-permute step (launch plus wire
+latency), gamma from HBM bandwidth (a combine reads two bytes and writes one):
+
+- "cpu": measured on the 2-core CPU testbed, 8 devices in one process, by
+  ``python benchmarks/calibrate_cpu.py`` (``jaxcoll/presets/cpu.json``).
+- "h100-nvlink", "h200-nvlink": NVLink 4, 900 GB/s per GPU both directions
+  together = 450 GB/s per direction (NVIDIA H100 and H200 data sheets); NCCL
+  reaches about 80% of it, so beta = 1/370 GB/s; alpha 8 us. HBM: H100 SXM
+  3.35 TB/s, H200 4.8 TB/s.
+- "infiniband-ndr400": 400 Gb/s per port = 50 GB/s per direction (NVIDIA
+  ConnectX-7 / Quantum-2 NDR data sheets), about 90% reached: beta = 1/45 GB/s;
+  alpha 12 us (a few us of wire and switch latency plus the launch).
+- "tpu-v5p-ici": 4,800 Gb/s of ICI per chip over 6 links of its 3D torus
+  (Google Cloud TPU v5p documentation) = 100 GB/s per link and direction;
+  alpha 5 us; HBM 2.76 TB/s.
+- "dcn": the data-center network between TPU slices or hosts, 200 Gb/s per host
+  shared by its 4 chips (Google Cloud multislice documentation) = 6.25 GB/s
+  per chip; alpha 30 us (TCP/IP stack and switch hops).
+
+Without a measured native time a profile prices "native" as what NCCL would
+run on the same links (see :mod:`jaxcoll._src.cost`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+ANY_AXIS = "*"
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """One ppermute step over a mesh axis costs ``alpha + beta * bytes`` seconds."""
+
+  alpha: float
+  beta: float
+
+  def __post_init__(self):
+    for name in ("alpha", "beta"):
+      v = getattr(self, name)
+      if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+        raise ValueError(f"Link {name}={v!r} must be a finite number >= 0 (seconds"
+                         f"{' per byte' if name == 'beta' else ''})")
+
+  def time(self, nbytes: float) -> float:
+    return self.alpha + self.beta * nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeTimes:
+  """Measured times of one jax.lax collective over axes of sizes ``axis_sizes``:
+  ``seconds[i]`` at ``sizes[i]`` bytes per device (M, as in
+  :meth:`Schedule.bytes_per_rank`)."""
+
+  primitive: str
+  axis_sizes: tuple[int, ...]
+  sizes: tuple[float, ...]
+  seconds: tuple[float, ...]
+
+  def __post_init__(self):
+    if len(self.sizes) != len(self.seconds) or not self.sizes:
+      raise ValueError("NativeTimes needs one time per size (at least one)")
+    if list(self.sizes) != sorted(self.sizes):
+      raise ValueError("NativeTimes sizes must be increasing")
+
+  def time(self, nbytes: float) -> float:
+    """Piecewise-linear in the measured points; linear extrapolation past the ends."""
+    xs, ys = self.sizes, self.seconds
+    if len(xs) == 1:
+      return ys[0]
+    i = min(max(sum(x <= nbytes for x in xs) - 1, 0), len(xs) - 2)
+    slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+    return max(ys[i] + slope * (nbytes - xs[i]), min(ys))
+
+
+def _frozen_links(links) -> tuple[tuple[str, Link], ...]:
+  items = links.items() if isinstance(links, Mapping) else links
+  out = []
+  for axis, link in items:
+    if not isinstance(axis, str):
+      raise ValueError(f"Profile links: axis {axis!r} must be a mesh axis name or '*'")
+    if not isinstance(link, Link):
+      raise ValueError(f"Profile links[{axis!r}] = {link!r} must be a jaxcoll.Link")
+    out.append((axis, link))
+  return tuple(sorted(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  """Costs the dispatcher prices schedules with.
+
+  Args:
+    links: ``{axis name: Link}``; ``"*"`` covers every axis not named.
+    gamma: seconds per byte a device combines locally (reduce steps).
+    overhead: seconds per collective call (launch), added to every schedule.
+    native: measured :class:`NativeTimes` of the jax.lax collectives.
+    name: a label (the preset's name).
+  """
+
+  links: Any = ()
+  gamma: float = 0.0
+  overhead: float = 0.0
+  native: tuple[NativeTimes, ...] = ()
+  name: str = ""
+
+  def __post_init__(self):
+    object.__setattr__(self, "links", _frozen_links(self.links))
+    object.__setattr__(self, "native", tuple(self.native))
+    for field in ("gamma", "overhead"):
+      v = getattr(self, field)
+      if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+        raise ValueError(f"Profile {field}={v!r} must be a finite number >= 0")
+
+  def link(self, axis: str) -> Link:
+    """The link of mesh axis ``axis`` (or the ``"*"`` link)."""
+    found = dict(self.links)
+    if axis in found:
+      return found[axis]
+    if ANY_AXIS in found:
+      return found[ANY_AXIS]
+    raise ValueError(f"profile {self.name or ''!s} has no link for axis {axis!r} and no '*' "
+                     f"link; it has {sorted(found)}")
+
+  def native_times(self, primitive: str, axis_sizes: Sequence[int]) -> NativeTimes | None:
+    """Measured times for these axis sizes, else for the same number of devices, else for
+    the nearest number of devices measured (None if the primitive was never measured)."""
+    mine = [t for t in self.native if t.primitive == primitive]
+    n = math.prod(axis_sizes)
+    exact = [t for t in mine if t.axis_sizes == tuple(axis_sizes)]
+    near = sorted(mine, key=lambda t: abs(math.log(math.prod(t.axis_sizes) / n)))
+    return (exact or near or [None])[0]
+
+  # -------------------------------------------------------------- presets and JSON
+
+  @staticmethod
+  def preset(name: str) -> Profile:
+    """A built-in profile: one of :data:`PRESET_NAMES` (sources in the module docstring)."""
+    if name in MEASURED:
+      return _measured(name)
+    if name not in PRESETS:
+      raise ValueError(f"profile preset {name!r} is unknown; expected one of {PRESET_NAMES}")
+    return PRESETS[name]
+
+  def to_json(self) -> dict:
+    return {"name": self.name, "gamma": self.gamma, "overhead": self.overhead,
+            "links": {a: dataclasses.asdict(link) for a, link in self.links},
+            "native": [dataclasses.asdict(t) for t in self.native]}
+
+  @classmethod
+  def from_json(cls, data: dict) -> Profile:
+    return cls(links={a: Link(**v) for a, v in data.get("links", {}).items()},
+               gamma=data.get("gamma", 0.0), overhead=data.get("overhead", 0.0),
+               native=tuple(NativeTimes(t["primitive"], tuple(t["axis_sizes"]), tuple(t["sizes"]),
+                                        tuple(t["seconds"])) for t in data.get("native", ())),
+               name=data.get("name", ""))
+
+  def save(self, path) -> None:
+    with open(path, "w") as f:
+      json.dump(self.to_json(), f, indent=1)
+
+  @classmethod
+  def load(cls, path) -> Profile:
+    with open(path) as f:
+      return cls.from_json(json.load(f))
+
+
+def _gpu(name: str, hbm_bytes_per_s: float, link_bytes_per_s: float, alpha: float) -> Profile:
+  return Profile(links={ANY_AXIS: Link(alpha, 1 / link_bytes_per_s)},
+                 gamma=3 / hbm_bytes_per_s, name=name)
+
+
+PRESETS: dict[str, Profile] = {
+    "h100-nvlink": _gpu("h100-nvlink", 3.35e12, 370e9, 8e-6),
+    "h200-nvlink": _gpu("h200-nvlink", 4.8e12, 370e9, 8e-6),
+    "infiniband-ndr400": _gpu("infiniband-ndr400", 3.35e12, 45e9, 12e-6),
+    "tpu-v5p-ici": _gpu("tpu-v5p-ici", 2.76e12, 100e9, 5e-6),
+    "dcn": _gpu("dcn", 2.76e12, 6.25e9, 30e-6),
+}
+
+MEASURED = ("cpu",)
+PRESET_NAMES = tuple(sorted((*PRESETS, *MEASURED)))
+
+
+@functools.cache
+def _measured(name: str) -> Profile:
+  path = importlib.resources.files("jaxcoll.presets").joinpath(f"{name}.json")
+  return Profile.from_json(json.loads(path.read_text()))

@@ -1,0 +1,1 @@
+"""Measured profiles shipped with jaxcoll (``Profile.preset`` loads them)."""
