@@ -1,0 +1,162 @@
+"""Does ``algorithm="auto"`` pick the fastest all_reduce? Calibrate, then measure everything.
+
+Runs on a 2 x 4 mesh ("node", "local"), every collective over the tuple:
+  --processes 1: 8 CPU devices in one process;
+  --processes 2: 2 processes x 4 devices on loopback, gloo (benchmarks/local_launch.py).
+First ``jaxcoll.calibrate`` measures the mesh at the benchmark's sizes. Then, for
+every size, every algorithm (flat ones over the tuple, hierarchical with auto's
+per-axis stages when auto picks it, else the default) and native are timed
+side by side, interleaved with the order rotated per repetition; medians. The
+table: auto's pick, auto / fastest measured, auto / native, predicted /
+measured for auto's pick, and the fastest algorithm. Process 0 prints.
+
+  python benchmarks/bench_dispatch.py --processes 1
+  python benchmarks/bench_dispatch.py --processes 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
+
+
+def parse_size(text: str) -> int:
+  units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+  text = text.strip().upper()
+  return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def fmt_size(b: int) -> str:
+  for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+    if b >= size:
+      return f"{b // size} {unit}"
+  return f"{b} B"
+
+
+def fmt_time(s: float) -> str:
+  return f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} us"
+
+
+def child(args) -> int:
+  if args.processes > 1:
+    sys.path.insert(0, os.path.dirname(__file__))
+    import local_launch
+    local_launch.initialize()
+  else:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jaxcoll
+  from jaxcoll._src import dispatch
+
+  main = jax.process_index() == 0
+  say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
+  devices = jax.devices()
+  if len(devices) != 8:
+    raise SystemExit(f"need 8 devices in all, found {len(devices)}")
+  axes = ("node", "local")
+  mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 4), axes)
+  sizes = [parse_size(s) for s in args.sizes.split(",")]
+  start = time.perf_counter()
+  profile = jaxcoll.calibrate(mesh, sizes=sizes, reps=args.reps, progress=main,
+                              primitives=("all_reduce",), name=f"{args.processes}-process")
+  say(f"calibrated in {time.perf_counter() - start:.0f} s: "
+      + ", ".join(f"{a}: alpha {link.alpha * 1e6:.0f} us, beta {link.beta * 1e9:.3f} ns/B"
+                  for a, link in profile.links)
+      + f"; overhead {profile.overhead * 1e6:.0f} us, gamma {profile.gamma * 1e9:.3f} ns/B")
+  if args.save_profile and main:
+    profile.save(args.save_profile)
+
+  spec = P(axes)
+  sharding = NamedSharding(mesh, spec)
+  flat = [a for a in jaxcoll.algorithms("all_reduce", num_axes=1)]
+  cases, picks = {}, {}
+  for s in sizes:
+    pick = dispatch.choose("all_reduce", axes, (2, 4), s, profile)
+    picks[s] = pick
+    algos = {a: a for a in flat}
+    hier = jaxcoll.Hierarchical(dict(pick.options)["per_axis"]) \
+        if pick.algorithm == "hierarchical" else "hierarchical"
+    algos[pick.label if pick.algorithm == "hierarchical" else "hierarchical"] = hier
+    for label, algo in algos.items():
+      fn = jax.jit(jax.shard_map(lambda v, algo=algo: jaxcoll.all_reduce(v, axes, algorithm=algo),
+                                 mesh=mesh, in_specs=spec, out_specs=spec))
+      x = jax.device_put(np.ones((8, s // 4), np.float32), sharding)
+      fn(x).block_until_ready()
+      cases[s, label] = (fn, x)
+  say(f"compiled {len(cases)} cases")
+  times = {k: [] for k in cases}
+  for rep in range(args.reps):
+    for s in sizes:
+      keys = [k for k in cases if k[0] == s]
+      keys = keys[rep % len(keys):] + keys[:rep % len(keys)]
+      for k in keys:
+        fn, x = cases[k]
+        t0 = time.perf_counter()
+        fn(x).block_until_ready()
+        times[k].append(time.perf_counter() - t0)
+    say(f"rep {rep + 1}/{args.reps} done")
+  median = {k: statistics.median(v) for k, v in times.items()}
+  if not main:
+    return 0
+  print(f"\n## all_reduce over {axes} (2x4), {args.processes} process(es), float32, "
+        f"medians of {args.reps}; allocator "
+        f"{'jemalloc' if 'jemalloc' in os.environ.get('LD_PRELOAD', '') else 'glibc malloc'}\n")
+  print("| size | auto picks | auto | fastest (time) | auto / fastest | auto / native "
+        "| predicted / measured |")
+  print("|---:|---|---:|---|---:|---:|---:|")
+  ratios = []
+  for s in sizes:
+    pick = picks[s]
+    auto_label = pick.label
+    auto_t = median[s, auto_label]
+    best_label, best_t = min(((k[1], t) for k, t in median.items() if k[0] == s),
+                             key=lambda kv: kv[1])
+    ratios.append(auto_t / best_t)
+    print(f"| {fmt_size(s)} | {auto_label} | {fmt_time(auto_t)} | {best_label} "
+          f"({fmt_time(best_t)}) | {auto_t / best_t:.2f} | {auto_t / median[s, 'native']:.2f} "
+          f"| {pick.predicted_s / auto_t:.2f} |")
+  print(f"\nauto / fastest: median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}")
+  print("\nEvery algorithm (median time / native's):\n")
+  labels = sorted({k[1] for k in median}, key=lambda a: (a != "native", a))
+  print("| size | " + " | ".join(labels) + " |")
+  print("|---:|" + "---:|" * len(labels))
+  for s in sizes:
+    cells = []
+    for a in labels:
+      t = median.get((s, a))
+      cells.append("-" if t is None else (fmt_time(t) if a == "native"
+                                          else f"{t / median[s, 'native']:.2f}x"))
+    print(f"| {fmt_size(s)} | " + " | ".join(cells) + " |")
+  return 0
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--processes", type=int, default=1, choices=(1, 2))
+  parser.add_argument("--sizes", default=SIZES)
+  parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--save-profile", default="", metavar="PATH")
+  parser.add_argument("--timeout", type=float, default=3000)
+  parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.processes == 1 or args.child:
+    return child(args)
+  sys.path.insert(0, os.path.dirname(__file__))
+  import local_launch
+  forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
+  return local_launch.run([os.path.abspath(__file__), *forwarded, "--child"], processes=2,
+                          devices_per_process=4, timeout=args.timeout)
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
