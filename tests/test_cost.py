@@ -27,6 +27,12 @@ def mesh8(shape=(8,), names=(AXIS,)):
   return AbstractMesh(shape, names)
 
 
+def slow_native(links, name="forced"):
+  """A profile whose native collectives were measured at 1 s: auto weighs schedules only."""
+  return Profile(links=links, name=name, native=tuple(
+      jaxcoll.NativeTimes(p, (8,), (1.0,), (1.0,)) for p in jaxcoll.PRIMITIVES))
+
+
 @pytest.mark.parametrize("primitive,algorithm", FLAT)
 @pytest.mark.parametrize("n", [2, 5, 8])
 def test_alpha_term_counts_the_schedules_steps(primitive, algorithm, n):
@@ -82,7 +88,7 @@ def test_worked_example_of_the_design_notes():
 @pytest.mark.parametrize("nbytes,want", [(1 << 10, {"recursive_doubling", "binomial_tree"}),
                                          (1 << 26, {"ring", "halving_doubling"})])
 def test_crossover_small_is_latency_optimal_large_is_bandwidth_optimal(nbytes, want):
-  prof = Profile(links={AXIS: Link(alpha=20e-6, beta=1 / 10e9)}, name="forced")
+  prof = slow_native({AXIS: Link(alpha=20e-6, beta=1 / 10e9)})
   pick = dispatch.choose("all_reduce", (AXIS,), (8,), nbytes, prof)
   assert pick.algorithm in want
 
@@ -90,9 +96,22 @@ def test_crossover_small_is_latency_optimal_large_is_bandwidth_optimal(nbytes, w
 @pytest.mark.parametrize("shape", [(2, 4), (2, 3), (3, 2)])
 @pytest.mark.parametrize("primitive", ["all_reduce", "all_gather", "all_to_all"])
 def test_crossover_slow_outer_axis_picks_hierarchical(shape, primitive):
-  slow = Profile(links={"node": Link(1e-5, 1e-8), "local": Link(1e-6, 1e-11)})
+  slow = slow_native({"node": Link(1e-5, 1e-8), "local": Link(1e-6, 1e-11)})
   pick = dispatch.choose(primitive, ("node", "local"), shape, 48 << 10, slow)
   assert pick.algorithm == "hierarchical", pick
+
+
+def test_native_is_kept_unless_a_schedule_is_predicted_margin_times_faster():
+  n = 8
+  links = {AXIS: Link(1e-4, 1e-9)}
+  t = min(c.predicted_s for c in dispatch.candidates("all_reduce", (AXIS,), (n,), 1 << 20,
+                                                     Profile(links=links))[1:])
+  for native_s, want in ((t * dispatch.NATIVE_MARGIN * 0.99, "native"),
+                         (t * dispatch.NATIVE_MARGIN * 1.5, "not native")):
+    prof = Profile(links=links, native=(jaxcoll.NativeTimes("all_reduce", (n,), (1.0,),
+                                                            (native_s,)),))
+    got = dispatch.choose("all_reduce", (AXIS,), (n,), 1 << 20, prof).algorithm
+    assert (got == "native") == (want == "native"), (native_s, got)
 
 
 def test_native_is_chosen_wherever_it_is_predicted_faster():

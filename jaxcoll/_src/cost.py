@@ -4,7 +4,7 @@ A schedule on mesh axes of sizes ``axis_sizes`` (names ``axis_names``),
 message M bytes, profile p, costs
 
   T = p.overhead + sum over steps s of [ max over axes a used in s of
-        (alpha_a + beta_a * B_{s,a})  +  gamma * (L_s + U_s) ]
+        (alpha_a + beta_a * B_{s,a})  +  gamma * (L_s + U_s)  +  delta * W ]
 
 where B_{s,a} is the most bytes any device sends over axis a in step s (a
 message is charged to the outermost axis its two devices differ in, as in
@@ -13,7 +13,9 @@ step s (the chunks it copies out to send, those it writes back on receipt, and
 those it combines), and U_s the whole buffer's bytes when the executor unrolls
 step s (outside a ``fori_loop`` XLA copies the buffer between steps; measured
 in ``bench_collectives.py --hlo``), else 0. gamma is the local cost of touching
-a byte.
+a byte; delta the per-step cost of the whole buffer of W bytes (loop carries,
+fresh pages: on the CPU testbed a step at 64 MiB costs far more than its
+messages), fitted by :func:`jaxcoll.calibrate`.
 Transfers of one step run concurrently, so the step takes as long as its
 slowest axis. Reduce transfers carry ``partial_sum_scale`` times the bytes
 (float32 partial sums of bfloat16 data).
@@ -101,7 +103,8 @@ def predict(sched: Schedule, profile: Profile, axis_names: Sequence[str],
   per_axis = np.where(used, alpha + beta * sent, 0.0)
   wire = per_axis.max(axis=1, initial=0.0)
   local = profile.gamma * touched * chunk
-  return float(profile.overhead + wire.sum() + local.sum())
+  buffer = profile.delta * (sched.num_chunks + sched.scratch_rows) * chunk * used.any(axis=1)
+  return float(profile.overhead + wire.sum() + local.sum() + buffer.sum())
 
 
 def predict_native(primitive: str, profile: Profile, axis_names: Sequence[str],

@@ -3,8 +3,11 @@
 "auto" defers to the overrides of :mod:`jaxcoll._src.config`, then to the cost
 model: the argmin of the predicted time (:mod:`jaxcoll._src.cost`) over every
 algorithm of the primitive that runs on these axes, native included, with
-hierarchical's per-axis stages chosen too. Ties go to native, then to the
-order of ``algorithms()``. The choice is a pure function of static
+hierarchical's per-axis stages chosen too. Native, the reference, is kept
+unless a schedule is predicted ``NATIVE_MARGIN`` times faster: on the CPU
+testbed predictions of large messages were off by up to ~2.5x (README, Cost
+model), and a pick slower than the lax collective is the one mistake auto must
+not make. Ties go to the order of ``algorithms()``. The choice is a pure function of static
 information (primitive, message bytes, axis names and sizes, profile), so every
 process of a multi-process job picks the same algorithm.
 """
@@ -22,6 +25,7 @@ from jaxcoll._src import cost
 from jaxcoll._src.algorithms import HIERARCHICAL, NATIVE, check_algorithm
 from jaxcoll._src.profile import Profile
 
+NATIVE_MARGIN = 2.0
 DEFAULT_PRESET = {"cpu": "cpu", "gpu": "h100-nvlink", "cuda": "h100-nvlink", "rocm": "h100-nvlink",
                   "tpu": "tpu-v5p-ici"}
 
@@ -72,10 +76,12 @@ def candidates(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[i
 
 
 def choose(primitive, axis_names, axis_sizes, nbytes, profile, *, partial_sum_scale=1.0):
-  """The candidate auto picks (min predicted time; the first of equals)."""
-  options = candidates(primitive, axis_names, axis_sizes, nbytes, profile,
-                       partial_sum_scale=partial_sum_scale)
-  return min(options, key=lambda c: c.predicted_s)
+  """The candidate auto picks: the fastest predicted schedule if it beats native by
+  ``NATIVE_MARGIN``, else native."""
+  native, *scheduled = candidates(primitive, axis_names, axis_sizes, nbytes, profile,
+                                  partial_sum_scale=partial_sum_scale)
+  best = min(scheduled, key=lambda c: c.predicted_s, default=native)
+  return best if best.predicted_s * NATIVE_MARGIN < native.predicted_s else native
 
 
 def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],

@@ -41,7 +41,8 @@ class Explanation:
 
   def table(self) -> Table:
     shape = "x".join(map(str, self.axis_sizes))
-    why = "overridden by config / JAXCOLL_ALGORITHM" if self.overridden else "min predicted time"
+    why = ("overridden by config / JAXCOLL_ALGORITHM" if self.overridden else
+           f"min predicted time; native unless {dispatch.NATIVE_MARGIN:g}x slower")
     title = (f"{self.primitive} of {_fmt_bytes(self.nbytes)} over {self.axis_names} ({shape}), "
              f"profile {self.profile or 'custom'}: auto -> {self.chosen} ({why})")
     headers = ("algorithm", "steps", *(f"bytes over {a}" for a in self.axis_names),
@@ -96,7 +97,8 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | None = None, 
                                    partial_sum_scale=scale)
   override = config_lib.override(primitive)
   if override is None:
-    chosen = min(candidates, key=lambda c: c.predicted_s).label
+    chosen = dispatch.choose(primitive, axes, sizes, nbytes, profile,
+                             partial_sum_scale=scale).label
   elif isinstance(override, dispatch.Hierarchical):
     chosen = f"hierarchical({','.join(a or 'ring' for a in override.per_axis)})"
   else:

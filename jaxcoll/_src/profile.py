@@ -110,6 +110,8 @@ class Profile:
     links: ``{axis name: Link}``; ``"*"`` covers every axis not named.
     gamma: seconds per byte a device combines locally (reduce steps).
     overhead: seconds per collective call (launch), added to every schedule.
+    delta: seconds per byte of the whole buffer per step (what a step costs
+      beyond its messages as the buffer grows: loop carries, fresh pages).
     native: measured :class:`NativeTimes` of the jax.lax collectives.
     name: a label (the preset's name).
   """
@@ -117,13 +119,14 @@ class Profile:
   links: Any = ()
   gamma: float = 0.0
   overhead: float = 0.0
+  delta: float = 0.0
   native: tuple[NativeTimes, ...] = ()
   name: str = ""
 
   def __post_init__(self):
     object.__setattr__(self, "links", _frozen_links(self.links))
     object.__setattr__(self, "native", tuple(self.native))
-    for field in ("gamma", "overhead"):
+    for field in ("gamma", "overhead", "delta"):
       v = getattr(self, field)
       if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
         raise ValueError(f"Profile {field}={v!r} must be a finite number >= 0")
@@ -160,6 +163,7 @@ class Profile:
 
   def to_json(self) -> dict:
     return {"name": self.name, "gamma": self.gamma, "overhead": self.overhead,
+            "delta": self.delta,
             "links": {a: dataclasses.asdict(link) for a, link in self.links},
             "native": [dataclasses.asdict(t) for t in self.native]}
 
@@ -167,6 +171,7 @@ class Profile:
   def from_json(cls, data: dict) -> Profile:
     return cls(links={a: Link(**v) for a, v in data.get("links", {}).items()},
                gamma=data.get("gamma", 0.0), overhead=data.get("overhead", 0.0),
+               delta=data.get("delta", 0.0),
                native=tuple(NativeTimes(t["primitive"], tuple(t["axis_sizes"]), tuple(t["sizes"]),
                                         tuple(t["seconds"])) for t in data.get("native", ())),
                name=data.get("name", ""))
