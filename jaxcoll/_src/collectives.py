@@ -140,10 +140,7 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
     acc = _check_accumulate(accumulate_dtype, x.dtype)
     d = _normalize_dim(scatter_dimension, x.ndim, "scatter_dimension")
     extent = x.shape[d]
-    if (not tiled and extent != n) or (tiled and extent % n):
-      need = f"equal to the axis size {n}" if not tiled else f"divisible by the axis size {n}"
-      raise ValueError(f"scatter_dimension={scatter_dimension}: x.shape[{d}] = {extent} must be "
-                       f"{need} (tiled={tiled})")
+    _check_split(extent, n, tiled, f"scatter_dimension={scatter_dimension}: x.shape[{d}]")
     algo, options = _resolve("reduce_scatter", algorithm, axes, x.nbytes, acc, x.dtype)
     if algo == NATIVE:
       if op in ("sum", "mean"):
@@ -272,10 +269,7 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
     s = _normalize_dim(split_axis, x.ndim, "split_axis")
     c = _normalize_dim(concat_axis, x.ndim, "concat_axis")
     extent = x.shape[s]
-    if (not tiled and extent != n) or (tiled and extent % n):
-      need = f"equal to the axis size {n}" if not tiled else f"divisible by the axis size {n}"
-      raise ValueError(f"split_axis={split_axis}: x.shape[{s}] = {extent} must be {need} "
-                       f"(tiled={tiled})")
+    _check_split(extent, n, tiled, f"split_axis={split_axis}: x.shape[{s}]")
     algo, options = _resolve("all_to_all", algorithm, axes, x.nbytes)
     if algo == NATIVE:
       return lax.all_to_all(x, axes, s, c, tiled=tiled)
@@ -317,6 +311,13 @@ def shift(x, axis_name, offset: int = 1, *, wrap: bool = True, algorithm="auto")
     return layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape)
 
   return _map_leaves(leaf, x)
+
+
+def _check_split(extent: int, n: int, tiled: bool, what: str) -> None:
+  """The dimension a collective splits N ways: equal to N untiled, divisible by N tiled."""
+  if (not tiled and extent != n) or (tiled and extent % n):
+    need = f"equal to the axis size {n}" if not tiled else f"divisible by the axis size {n}"
+    raise ValueError(f"{what} = {extent} must be {need} (tiled={tiled})")
 
 
 def _check_root(root, n):

@@ -34,12 +34,14 @@ all_to_all, a tree for broadcast and reduce, all over the flattened axes.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 
 import numpy as np
 
-from jaxcoll._src.algorithms import HIERARCHICAL, NATIVE, schedule
+from jaxcoll._src.algorithms import HIERARCHICAL, NATIVE, algorithms, schedule
+from jaxcoll._src.executor import LOOP_MIN_STEPS, plan
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.schedule import Schedule
 
@@ -56,7 +58,6 @@ NATIVE_EQUIVALENT = {
 
 def unrolled_steps(sched: Schedule) -> np.ndarray:
   """``[S]`` bools: the steps the executor runs outside a loop."""
-  from jaxcoll._src.executor import LOOP_MIN_STEPS, plan
   flags = [phase.num_steps < LOOP_MIN_STEPS for phase in plan(sched)
            for _ in range(phase.num_steps)]
   return np.asarray(flags, bool)
@@ -120,7 +121,6 @@ def predict_native(primitive: str, profile: Profile, axis_names: Sequence[str],
 
 def stage_candidates(primitive: str, num_axes: int) -> list[tuple[str, ...]]:
   """The per-axis algorithm choices auto considers for a hierarchical schedule."""
-  from jaxcoll._src.algorithms import algorithms
   if primitive == "all_to_all":
     per_axis = [("direct", "bruck")] * num_axes
   else:
@@ -128,13 +128,11 @@ def stage_candidates(primitive: str, num_axes: int) -> list[tuple[str, ...]]:
     top = tuple(a for a in algorithms("all_reduce", num_axes=1) if a != NATIVE) \
         if primitive == "all_reduce" else inner
     per_axis = [top] + [inner] * (num_axes - 1)
-  import itertools
   return list(itertools.product(*per_axis))
 
 
 def candidate_schedules(primitive: str, axis_sizes: Sequence[int]):
   """(label, algorithm, schedule options, schedule) for every scheduled choice auto weighs."""
-  from jaxcoll._src.algorithms import algorithms
   n, shape = math.prod(axis_sizes), tuple(axis_sizes)
   out = []
   for algo in algorithms(primitive, num_axes=len(shape)):

@@ -75,13 +75,18 @@ def candidates(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[i
   return out
 
 
-def choose(primitive, axis_names, axis_sizes, nbytes, profile, *, partial_sum_scale=1.0):
-  """The candidate auto picks: the fastest predicted schedule if it beats native by
-  ``NATIVE_MARGIN``, else native."""
-  native, *scheduled = candidates(primitive, axis_names, axis_sizes, nbytes, profile,
-                                  partial_sum_scale=partial_sum_scale)
+def pick(weighed: Sequence[Candidate]) -> Candidate:
+  """Of ``candidates()``' result (native first): the fastest predicted schedule if it beats
+  native by ``NATIVE_MARGIN``, else native."""
+  native, *scheduled = weighed
   best = min(scheduled, key=lambda c: c.predicted_s, default=native)
   return best if best.predicted_s * NATIVE_MARGIN < native.predicted_s else native
+
+
+def choose(primitive, axis_names, axis_sizes, nbytes, profile, *, partial_sum_scale=1.0):
+  """The candidate auto picks (:func:`pick` of every candidate)."""
+  return pick(candidates(primitive, axis_names, axis_sizes, nbytes, profile,
+                         partial_sum_scale=partial_sum_scale))
 
 
 def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],

@@ -97,8 +97,7 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | None = None, 
                                    partial_sum_scale=scale)
   override = config_lib.override(primitive)
   if override is None:
-    chosen = dispatch.choose(primitive, axes, sizes, nbytes, profile,
-                             partial_sum_scale=scale).label
+    chosen = dispatch.pick(candidates).label
   elif isinstance(override, dispatch.Hierarchical):
     chosen = f"hierarchical({','.join(a or 'ring' for a in override.per_axis)})"
   else:
