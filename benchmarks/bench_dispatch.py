@@ -1,13 +1,14 @@
-"""Does ``algorithm="auto"`` pick the fastest all_reduce? Calibrate, then measure everything.
+"""Does ``algorithm="auto"`` pick the fastest collective? Calibrate, then measure everything.
 
 Runs on a 2 x 4 mesh ("node", "local"), every collective over the tuple:
   --processes 1: 8 CPU devices in one process;
   --processes 2: 2 processes x 4 devices on loopback, gloo (benchmarks/local_launch.py).
 First ``jaxcoll.calibrate`` measures the mesh at the benchmark's sizes. Then, for
-every size, every algorithm (flat ones over the tuple, hierarchical with auto's
-per-axis stages when auto picks it, else the default) and native are timed
-side by side, interleaved with the order rotated per repetition; medians. The
-table: auto's pick, auto / fastest measured, auto / native, predicted /
+every size, every algorithm of ``--primitive`` (default all_reduce; flat ones
+over the tuple, hierarchical with auto's per-axis stages when auto picks it,
+else the default) and native are timed side by side (``timing.interleaved``:
+rounds in rotated order, at least ``--reps``, more at small sizes; medians).
+The table: auto's pick, auto / fastest measured, auto / native, predicted /
 measured for auto's pick, and the fastest algorithm. Process 0 prints.
 
   python benchmarks/bench_dispatch.py --processes 1
@@ -42,6 +43,20 @@ def fmt_time(s: float) -> str:
   return f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} us"
 
 
+def _elements(primitive: str, nbytes: int) -> int:
+  """float32 elements per device of an M-byte message (all_gather: M is the output)."""
+  return nbytes // 4 // (8 if primitive == "all_gather" else 1)
+
+
+def _call(primitive: str, v, axes, algorithm):
+  import jaxcoll
+  if primitive == "all_to_all":
+    return jaxcoll.all_to_all(v, axes, 0, 0, tiled=True, algorithm=algorithm)
+  if primitive in ("all_gather", "reduce_scatter"):
+    return getattr(jaxcoll, primitive)(v, axes, tiled=True, algorithm=algorithm)
+  return jaxcoll.all_reduce(v, axes, algorithm=algorithm)
+
+
 def child(args) -> int:
   if args.processes > 1:
     sys.path.insert(0, os.path.dirname(__file__))
@@ -56,7 +71,7 @@ def child(args) -> int:
   from jax.sharding import PartitionSpec as P
 
   import jaxcoll
-  from jaxcoll._src import dispatch
+  from jaxcoll._src import dispatch, timing
 
   main = jax.process_index() == 0
   say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
@@ -67,49 +82,39 @@ def child(args) -> int:
   mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 4), axes)
   sizes = [parse_size(s) for s in args.sizes.split(",")]
   start = time.perf_counter()
-  profile = jaxcoll.calibrate(mesh, sizes=sizes, reps=args.reps, progress=main,
-                              primitives=("all_reduce",), name=f"{args.processes}-process")
-  say(f"calibrated in {time.perf_counter() - start:.0f} s: "
-      + ", ".join(f"{a}: alpha {link.alpha * 1e6:.0f} us, beta {link.beta * 1e9:.3f} ns/B"
-                  for a, link in profile.links)
-      + f"; overhead {profile.overhead * 1e6:.0f} us, gamma {profile.gamma * 1e9:.3f} ns/B")
+  profile = jaxcoll.calibrate(mesh, sizes=sizes, reps=args.reps, min_seconds=args.min_seconds,
+                              progress=main, primitives=(args.primitive,),
+                              name=f"{args.processes}-process")
+  say(f"calibrated in {time.perf_counter() - start:.0f} s: {profile.summary()}")
   if args.save_profile and main:
     profile.save(args.save_profile)
 
   spec = P(axes)
   sharding = NamedSharding(mesh, spec)
-  flat = [a for a in jaxcoll.algorithms("all_reduce", num_axes=1)]
-  cases, picks = {}, {}
+  flat = list(jaxcoll.algorithms(args.primitive, num_axes=1))
+  default_stages = ("direct" if args.primitive == "all_to_all" else "ring",) * 2
+  picks, median, predicted = {}, {}, {}
   for s in sizes:
-    pick = dispatch.choose("all_reduce", axes, (2, 4), s, profile)
-    picks[s] = pick
-    algos = {a: a for a in flat}
-    hier = jaxcoll.Hierarchical(dict(pick.options)["per_axis"]) \
-        if pick.algorithm == "hierarchical" else "hierarchical"
-    algos[pick.label if pick.algorithm == "hierarchical" else "hierarchical"] = hier
-    for label, algo in algos.items():
-      fn = jax.jit(jax.shard_map(lambda v, algo=algo: jaxcoll.all_reduce(v, axes, algorithm=algo),
+    weighed = dispatch.candidates(args.primitive, axes, (2, 4), s, profile)
+    pick = picks[s] = dispatch.pick(weighed)
+    stages = dict(pick.options)["per_axis"] if pick.algorithm == "hierarchical" else default_stages
+    algos = {a: a for a in flat if a != "hierarchical"}
+    algos[f"hierarchical({','.join(stages)})"] = jaxcoll.Hierarchical(stages)
+    predicted.update({(s, c.label): c.predicted_s for c in weighed if c.label in algos})
+    calls = []
+    for algo in algos.values():
+      fn = jax.jit(jax.shard_map(lambda v, algo=algo: _call(args.primitive, v[0], axes, algo)[None],
                                  mesh=mesh, in_specs=spec, out_specs=spec))
-      x = jax.device_put(np.ones((8, s // 4), np.float32), sharding)
-      fn(x).block_until_ready()
-      cases[s, label] = (fn, x)
-  say(f"compiled {len(cases)} cases")
-  times = {k: [] for k in cases}
-  for rep in range(args.reps):
-    for s in sizes:
-      keys = [k for k in cases if k[0] == s]
-      keys = keys[rep % len(keys):] + keys[:rep % len(keys)]
-      for k in keys:
-        fn, x = cases[k]
-        t0 = time.perf_counter()
-        fn(x).block_until_ready()
-        times[k].append(time.perf_counter() - t0)
-    say(f"rep {rep + 1}/{args.reps} done")
-  median = {k: statistics.median(v) for k, v in times.items()}
+      x = jax.device_put(np.ones((8, _elements(args.primitive, s)), np.float32), sharding)
+      calls.append(lambda fn=fn, x=x: fn(x).block_until_ready())
+    times = timing.interleaved(calls, reps=args.reps, min_seconds=args.min_seconds)
+    for label, t in zip(algos, times):
+      median[s, label] = statistics.median(t)
+    say(f"{fmt_size(s)}: {len(times[0])} rounds")
   if not main:
     return 0
-  print(f"\n## all_reduce over {axes} (2x4), {args.processes} process(es), float32, "
-        f"medians of {args.reps}; allocator "
+  print(f"\n## {args.primitive} over {axes} (2x4), {args.processes} process(es), float32, "
+        f"medians of >= {args.reps} interleaved rounds; allocator "
         f"{'jemalloc' if 'jemalloc' in os.environ.get('LD_PRELOAD', '') else 'glibc malloc'}\n")
   print("| size | auto picks | auto | fastest (time) | auto / fastest | auto / native "
         "| predicted / measured |")
@@ -137,6 +142,12 @@ def child(args) -> int:
       cells.append("-" if t is None else (fmt_time(t) if a == "native"
                                           else f"{t / median[s, 'native']:.2f}x"))
     print(f"| {fmt_size(s)} | " + " | ".join(cells) + " |")
+  print("\nEvery algorithm, predicted / measured time:\n")
+  print("| size | " + " | ".join(labels) + " |")
+  print("|---:|" + "---:|" * len(labels))
+  for s in sizes:
+    cells = [f"{predicted[s, a] / median[s, a]:.2f}" if (s, a) in median else "-" for a in labels]
+    print(f"| {fmt_size(s)} | " + " | ".join(cells) + " |")
   return 0
 
 
@@ -144,7 +155,11 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--processes", type=int, default=1, choices=(1, 2))
   parser.add_argument("--sizes", default=SIZES)
-  parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--primitive", default="all_reduce",
+                      choices=("all_reduce", "reduce_scatter", "all_gather", "all_to_all"))
+  parser.add_argument("--reps", type=int, default=5, help="fewest timed rounds per size")
+  parser.add_argument("--min-seconds", type=float, default=2.0,
+                      help="more rounds per size until they take this long (small sizes)")
   parser.add_argument("--save-profile", default="", metavar="PATH")
   parser.add_argument("--timeout", type=float, default=3000)
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -13,6 +13,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -31,13 +32,9 @@ def main() -> None:
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
   prof = jaxcoll.calibrate(mesh, sizes=SIZES, reps=args.reps, name="cpu")
   # the preset prices every axis name with the measured link
-  prof = jaxcoll.Profile(links={"*": dict(prof.links)["x"]}, gamma=prof.gamma,
-                         overhead=prof.overhead, native=prof.native, name="cpu")
+  prof = dataclasses.replace(prof, links={"*": dict(prof.links)["x"]})
   prof.save(args.out)
-  print(f"wrote {args.out}: " + ", ".join(f"alpha {link.alpha * 1e6:.0f} us, "
-                                          f"beta {link.beta * 1e9:.3f} ns/B"
-                                          for _, link in prof.links)
-        + f", overhead {prof.overhead * 1e6:.0f} us, gamma {prof.gamma * 1e9:.3f} ns/B")
+  print(f"wrote {args.out}: {prof.summary()}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -35,11 +36,48 @@ def slow_native(links, name="forced"):
 
 @pytest.mark.parametrize("primitive,algorithm", FLAT)
 @pytest.mark.parametrize("n", [2, 5, 8])
-def test_alpha_term_counts_the_schedules_steps(primitive, algorithm, n):
+def test_alpha_term_counts_the_schedules_ppermutes(primitive, algorithm, n):
+  """One alpha per ppermute (transfer); one per step wherever a step is one transfer."""
   sched = jaxcoll.schedule(primitive, algorithm, n)
   only_alpha = Profile(links={AXIS: Link(alpha=1.0, beta=0.0)})
-  want = sched.num_steps if primitive != "shift" or n > 1 else 0   # a self-send crosses nothing
+  transfers = sum(len(step.transfers) for step in sched.steps)
+  want = transfers if primitive != "shift" or n > 1 else 0   # a self-send crosses nothing
   assert cost.predict(sched, only_alpha, (AXIS,), (n,), 1.0) == pytest.approx(want)
+  assert transfers >= sched.num_steps
+  if algorithm in ("ring", "direct", "bruck", "binomial_tree") or (
+      primitive == "all_reduce" and algorithm in ("recursive_doubling", "halving_doubling")):
+    assert transfers == sched.num_steps
+
+
+@pytest.mark.parametrize("primitive,algorithm", FLAT)
+@pytest.mark.parametrize("n", [3, 8])
+def test_mu_term_counts_the_messages_per_device(primitive, algorithm, n):
+  sched = jaxcoll.schedule(primitive, algorithm, n)
+  only_mu = Profile(links={AXIS: Link(0.0, 0.0)}, mu=1.0)
+  messages = sum(sum(s != d for s, d in t.perm) for step in sched.steps for t in step.transfers)
+  assert cost.predict(sched, only_mu, (AXIS,), (n,), 1.0) == pytest.approx(messages / n)
+
+
+def test_fresh_term_prices_only_buffers_past_the_threshold():
+  """Recursive doubling on 8 ranks: 3 unrolled steps, each receives M and copies the M buffer;
+  the ring sends M/8 in a loop."""
+  prof = Profile(links={AXIS: Link(0.0, 0.0)}, fresh=1.0, fresh_threshold=1000.0)
+  rd, ring = (jaxcoll.schedule("all_reduce", a, 8) for a in ("recursive_doubling", "ring"))
+  assert cost.predict(rd, prof, (AXIS,), (8,), 999.0) == 0.0
+  assert cost.predict(rd, prof, (AXIS,), (8,), 1000.0) == pytest.approx(3 * 1000.0 + 3 * 1000.0)
+  assert cost.predict(ring, prof, (AXIS,), (8,), 7999.0) == 0.0
+
+
+@pytest.mark.parametrize("primitive,algorithm", FLAT)
+def test_features_are_predict_as_a_linear_function_of_the_profile(primitive, algorithm):
+  """What calibrate fits is what predict computes (one axis: no outermost-axis choice)."""
+  sched = jaxcoll.schedule(primitive, algorithm, 6)
+  prof = Profile(links={AXIS: Link(3e-5, 2e-9)}, overhead=1e-4, mu=7e-5, delta=3e-11,
+                 fresh=1e-9, fresh_threshold=1e6, gamma=5e-10)
+  coef = [prof.overhead, 3e-5, 2e-9, prof.mu, prof.delta, prof.fresh, prof.gamma]
+  for nbytes in (96.0, 6e6, 6e7):
+    f = cost.features(sched, (6,), nbytes, prof.fresh_threshold)
+    assert f @ coef == pytest.approx(cost.predict(sched, prof, (AXIS,), (6,), nbytes))
 
 
 @pytest.mark.parametrize("primitive,algorithm", FLAT)
@@ -91,6 +129,16 @@ def test_crossover_small_is_latency_optimal_large_is_bandwidth_optimal(nbytes, w
   prof = slow_native({AXIS: Link(alpha=20e-6, beta=1 / 10e9)})
   pick = dispatch.choose("all_reduce", (AXIS,), (8,), nbytes, prof)
   assert pick.algorithm in want
+
+
+def test_per_message_cost_turns_small_messages_from_recursive_doubling_to_a_tree():
+  """Without mu, recursive doubling's 3 steps win; with per-message work serialized (devices
+  sharing CPUs, the 2-process testbed), the binomial tree's 14 messages beat its 24."""
+  link = {AXIS: Link(alpha=20e-6, beta=1 / 10e9)}
+  assert dispatch.choose("all_reduce", (AXIS,), (8,), 1 << 10,
+                         slow_native(link)).algorithm == "recursive_doubling"
+  busy = dataclasses.replace(slow_native(link), mu=1e-3)
+  assert dispatch.choose("all_reduce", (AXIS,), (8,), 1 << 10, busy).algorithm == "binomial_tree"
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (2, 3), (3, 2)])

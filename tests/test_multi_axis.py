@@ -156,14 +156,19 @@ def test_hierarchical_per_axis_choice_runs_and_matches_lax():
       "reduce_scatter": jaxcoll.Hierarchical(("halving_doubling", "direct")),
       "all_gather": jaxcoll.Hierarchical(("bruck", None)),
       "all_to_all": jaxcoll.Hierarchical(("bruck", "direct")),
+      "all_reduce/pieces": jaxcoll.Hierarchical(("ring", "ring"), pieces=(4, 1)),
+      "reduce_scatter/pieces": jaxcoll.Hierarchical(pieces=(3, 2)),
+      "all_gather/pieces": jaxcoll.Hierarchical(pieces=(2, 1)),
   }
-  def pieces(v):
+  def inputs(v):
     return {"all_gather": v[:6]}.get
-  got = run(mesh, lambda v: {p: call(p, pieces(v)(p, v), axes, a) for p, a in choices.items()},
-            x)
-  want = run(mesh, lambda v: {p: call_lax(p, pieces(v)(p, v), axes) for p in choices}, x)
-  for p in choices:
-    np.testing.assert_array_equal(got[p], want[p], err_msg=p)
+  prim = lambda key: key.split("/")[0]
+  got = run(mesh, lambda v: {k: call(prim(k), inputs(v)(prim(k), v), axes, a)
+                             for k, a in choices.items()}, x)
+  want = run(mesh, lambda v: {k: call_lax(prim(k), inputs(v)(prim(k), v), axes)
+                              for k in choices}, x)
+  for k in choices:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
 def test_hierarchical_traced_bytes_per_axis_equal_the_schedule():

@@ -348,3 +348,38 @@ def test_hierarchical_per_axis_algorithms():
     jaxcoll.schedule("all_reduce", "hierarchical", 8)
   with pytest.raises(ValueError, match="multiply"):
     jaxcoll.schedule("all_reduce", "hierarchical", 8, axis_sizes=(2, 3))
+
+
+@pytest.mark.parametrize("primitive,algorithm", [c for c in SCHEDULED if c[0] != "shift"])
+@pytest.mark.parametrize("n", [1, 3, 4, 7])
+@pytest.mark.parametrize("pieces", [2, 3])
+def test_in_pieces_gives_the_same_result_in_pieces_times_the_steps(primitive, algorithm, n,
+                                                                   pieces):
+  sched = jaxcoll.schedule(primitive, algorithm, n)
+  cut = sched.in_pieces(pieces)
+  assert cut.num_steps == pieces * sched.num_steps
+  assert cut.bytes_per_rank(1.0) == pytest.approx(sched.bytes_per_rank(1.0))
+  assert [t.bytes for t in cut.traffic(1.0)] == pytest.approx(
+      [t.bytes for t in sched.traffic(1.0)])
+  rng = np.random.default_rng(n)
+  size = 6 * n if primitive != "all_gather" else 6
+  xs = [rng.integers(-5, 5, size).astype(np.int64) for _ in range(n)]
+  for got, want in zip(cut.simulate(xs), sched.simulate(xs)):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_hierarchical_stage_pieces_cut_only_that_axis():
+  plain = jaxcoll.schedule("all_reduce", "hierarchical", 8, axis_sizes=(2, 4))
+  cut = jaxcoll.schedule("all_reduce", "hierarchical", 8, axis_sizes=(2, 4), stage_pieces=(8, 1))
+  (node0, local0), (node1, local1) = plain.traffic(1.0), cut.traffic(1.0)
+  assert (node1.steps, local1.steps) == (8 * node0.steps, local0.steps)
+  assert (node1.bytes, local1.bytes) == pytest.approx((node0.bytes, local0.bytes))
+  xs = [np.arange(32) * (r + 1) for r in range(8)]
+  for got in cut.simulate(xs):
+    np.testing.assert_array_equal(got, np.sum(xs, 0))
+  with pytest.raises(ValueError, match="pieces"):
+    jaxcoll.schedule("all_reduce", "hierarchical", 8, axis_sizes=(2, 4), stage_pieces=(0, 1))
+  with pytest.raises(ValueError, match="pieces"):
+    jaxcoll.schedule("all_to_all", "hierarchical", 8, axis_sizes=(2, 4), stage_pieces=(2, 1))
+  with pytest.raises(ValueError, match="pieces"):
+    plain.in_pieces(0)

@@ -1,27 +1,40 @@
 """The alpha-beta cost model, read from the schedules themselves.
 
-A schedule on mesh axes of sizes ``axis_sizes`` (names ``axis_names``),
-message M bytes, profile p, costs
+A schedule runs as a sequence of ppermutes (its transfers, step by step; XLA
+runs the collective-permutes of one program one after another on the CPU, and
+each is a collective launch everywhere). On mesh axes of sizes ``axis_sizes``,
+a message of M bytes, profile p:
 
-  T = p.overhead + sum over steps s of [ max over axes a used in s of
-        (alpha_a + beta_a * B_{s,a})  +  gamma * (L_s + U_s)  +  delta * W ]
+  T = p.overhead + sum over transfers t of [ max over axes a crossed by t of
+        (alpha_a + beta_a * B_t)  +  mu * K_t / N  +  delta * W ]
+      + gamma * sum over steps s of (L_s + U_s)  +  fresh * F
 
-where B_{s,a} is the most bytes any device sends over axis a in step s (a
-message is charged to the outermost axis its two devices differ in, as in
-:meth:`Schedule.traffic`), L_s the most bytes any device touches locally in
-step s (the chunks it copies out to send, those it writes back on receipt, and
-those it combines), and U_s the whole buffer's bytes when the executor unrolls
-step s (outside a ``fori_loop`` XLA copies the buffer between steps; measured
-in ``bench_collectives.py --hlo``), else 0. gamma is the local cost of touching
-a byte; delta the per-step cost of the whole buffer of W bytes (loop carries,
-fresh pages: on the CPU testbed a step at 64 MiB costs far more than its
-messages), fitted by :func:`jaxcoll.calibrate`.
-Transfers of one step run concurrently, so the step takes as long as its
-slowest axis. Reduce transfers carry ``partial_sum_scale`` times the bytes
-(float32 partial sums of bfloat16 data).
+- B_t: the bytes each message of t carries (every rank sends at most one message
+  per transfer, so this is also the most any device sends in it). A message
+  crosses the outermost axis its two devices differ in (as in
+  :meth:`Schedule.traffic`); reduce transfers carry ``partial_sum_scale`` times
+  the bytes (float32 partial sums of bfloat16 data).
+- K_t: the number of messages of t; mu * K_t / N is the per-message work that
+  devices sharing CPUs (or one NIC) do one after another: a transfer in which
+  every device sends costs mu more, one in which one device sends mu / N. On
+  the 2-process CPU testbed this term is what makes a binomial tree (few
+  messages per step) beat recursive doubling (every device, every step);
+  0 in the accelerator presets.
+- L_s: the most bytes a device touches locally in step s (the chunks it copies
+  out to send, writes back on receipt, and combines); U_s the whole buffer's
+  bytes when the executor unrolls step s (outside a ``fori_loop`` XLA copies
+  the buffer between steps; ``bench_collectives.py --hlo``), else 0.
+- W: the whole buffer; delta prices what a ppermute costs as the buffer grows
+  (loop carries), fitted by :func:`jaxcoll.calibrate`.
+- F: the bytes of buffers of at least ``p.fresh_threshold`` bytes the schedule
+  makes anew: every received message that large, and the buffer copy of every
+  unrolled step when the buffer is. ``p.fresh`` prices their first touch: on
+  the CPU, glibc serves allocations above its mmap threshold (32 MiB at most)
+  with fresh pages on every call, ~1.2 ns a byte of page faults measured here;
+  0 where a pooling allocator reuses device memory.
 
 Worked example (the design notes'): ring all_reduce, N = 8, M = 500 MB of
-float16, alpha = 5 us, beta = 1 / 50 GB/s: 14 steps of M/8 bytes = 70 us +
+float16, alpha = 5 us, beta = 1 / 50 GB/s: 14 transfers of M/8 bytes = 70 us +
 875 MB / 50 GB/s = 17.5 ms, total 17.57 ms, 99.6% of it the bandwidth term.
 
 "native" (the jax.lax collective) is priced from the profile's measured times
@@ -33,6 +46,7 @@ all_to_all, a tree for broadcast and reduce, all over the flattened axes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -56,6 +70,30 @@ NATIVE_EQUIVALENT = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Loads:
+  """What the model reads off a schedule on one mesh shape, per transfer (``[T]``, ``[T, A]``)
+  and per step (``[S]``), in units of chunks."""
+
+  chunks: np.ndarray      # [T] chunks per message
+  reduce: np.ndarray      # [T] bool: a reduce transfer (carries partial sums)
+  crosses: np.ndarray     # [T, A] bool: some message of t crosses axis a
+  messages: np.ndarray    # [T] messages that cross any axis
+  touched: np.ndarray     # [S] chunks the busiest device touches locally, + U_s
+  unrolled: np.ndarray    # [S] bool: the executor unrolls the step (copies the buffer)
+  buffer_chunks: int      # W in chunks (buffer plus scratch rows)
+
+  @property
+  def moving(self) -> np.ndarray:
+    """[T] bool: the transfer moves data (a self-send crosses nothing, costs nothing)."""
+    return self.crosses.any(axis=1)
+
+  @property
+  def outermost(self) -> np.ndarray:
+    """[T]: the outermost axis each transfer crosses (where calibrate charges it)."""
+    return self.crosses.argmax(axis=1)
+
+
 def unrolled_steps(sched: Schedule) -> np.ndarray:
   """``[S]`` bools: the steps the executor runs outside a loop."""
   flags = [phase.num_steps < LOOP_MIN_STEPS for phase in plan(sched)
@@ -64,14 +102,11 @@ def unrolled_steps(sched: Schedule) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=1024)
-def step_loads(sched: Schedule, axis_sizes: tuple[int, ...]):
-  """Per step: chunks each rank sends over each axis (reduce and copy apart, ``[S, A, N]``
-  each) and the chunks a rank touches locally: the most any rank sends + receives +
-  combines, plus the whole buffer where the step is unrolled (``[S]``)."""
-  n, k = sched.axis_size, len(axis_sizes)
+def loads(sched: Schedule, axis_sizes: tuple[int, ...]) -> Loads:
+  """The schedule's :class:`Loads` on a mesh of ``axis_sizes`` (outermost first)."""
+  n = sched.axis_size
   coords = np.stack(np.unravel_index(np.arange(n), axis_sizes), axis=1)
-  reduce_load = np.zeros((sched.num_steps, k, n))
-  copy_load = np.zeros((sched.num_steps, k, n))
+  chunks, reduce, crosses, messages = [], [], [], []
   touched = np.zeros(sched.num_steps)
   for s, step in enumerate(sched.steps):
     local = np.zeros(n)
@@ -79,33 +114,69 @@ def step_loads(sched: Schedule, axis_sizes: tuple[int, ...]):
       src, dst = np.asarray(t.src), np.asarray(t.dst)
       differ = coords[src] != coords[dst]
       moving = differ.any(1)
-      axis = differ.argmax(1)
-      load = reduce_load if t.combine == "reduce" else copy_load
-      np.add.at(load[s], (axis[moving], src[moving]), t.chunks_per_message)
       k = t.chunks_per_message
+      chunks.append(k)
+      reduce.append(t.combine == "reduce")
+      crosses.append(np.isin(np.arange(len(axis_sizes)), differ[moving].argmax(1)))
+      messages.append(int(moving.sum()))
       np.add.at(local, src[moving], k)
       np.add.at(local, dst[moving], 2 * k if t.combine == "reduce" else k)
     touched[s] = local.max(initial=0)
-  touched += unrolled_steps(sched) * (sched.num_chunks + sched.scratch_rows)
-  return reduce_load, copy_load, touched
+  buffer_chunks = sched.num_chunks + sched.scratch_rows
+  unrolled = unrolled_steps(sched)
+  touched += unrolled * buffer_chunks
+  shape = (len(chunks), len(axis_sizes))
+  return Loads(np.asarray(chunks, float), np.asarray(reduce, bool),
+               np.asarray(crosses, bool).reshape(shape), np.asarray(messages, float), touched,
+               unrolled, buffer_chunks)
+
+
+def fresh_bytes(ld: Loads, sent: np.ndarray, buffer: float, threshold: float) -> float:
+  """F of the module docstring: bytes of messages (``sent``, per transfer) and unrolled
+  buffer copies (``buffer`` bytes) of at least ``threshold`` bytes."""
+  messages = np.where(ld.moving & (sent >= threshold), sent, 0.0).sum()
+  return float(messages + (buffer if buffer >= threshold else 0.0) * ld.unrolled.sum())
 
 
 def predict(sched: Schedule, profile: Profile, axis_names: Sequence[str],
             axis_sizes: Sequence[int], nbytes: float, *, partial_sum_scale: float = 1.0) -> float:
   """Predicted seconds of ``sched`` for an M = ``nbytes`` message (module docstring)."""
-  axis_sizes = tuple(axis_sizes)
-  reduce_load, copy_load, touched = step_loads(sched, axis_sizes)
+  ld = loads(sched, tuple(axis_sizes))
   chunk = nbytes / sched.message_chunks
   links = [profile.link(a) for a in axis_names]
   alpha = np.array([link.alpha for link in links])
   beta = np.array([link.beta for link in links])
-  sent = (reduce_load * partial_sum_scale + copy_load).max(axis=2) * chunk   # [S, A]
-  used = sent > 0
-  per_axis = np.where(used, alpha + beta * sent, 0.0)
-  wire = per_axis.max(axis=1, initial=0.0)
-  local = profile.gamma * touched * chunk
-  buffer = profile.delta * (sched.num_chunks + sched.scratch_rows) * chunk * used.any(axis=1)
-  return float(profile.overhead + wire.sum() + local.sum() + buffer.sum())
+  sent = ld.chunks * np.where(ld.reduce, partial_sum_scale, 1.0) * chunk        # [T]
+  wire = np.where(ld.crosses, alpha + beta * sent[:, None], 0.0).max(axis=1, initial=0.0)
+  buffer = ld.buffer_chunks * chunk
+  per_transfer = (wire + profile.mu * ld.messages / sched.axis_size
+                  + profile.delta * buffer * ld.moving)
+  fresh = profile.fresh * fresh_bytes(ld, sent, buffer, profile.fresh_threshold)
+  return float(profile.overhead + per_transfer.sum() + fresh
+               + profile.gamma * ld.touched.sum() * chunk)
+
+
+def features(sched: Schedule, axis_sizes: Sequence[int], nbytes: float,
+             fresh_threshold: float) -> np.ndarray:
+  """:func:`predict` as a linear function of the profile: the row ``f`` with
+  ``predict = f @ [overhead, (alpha_a, beta_a) per axis ..., mu, delta, fresh, gamma]``,
+  each transfer charged to the outermost axis it crosses (the max over axes of ``predict``
+  wherever that axis is the slowest, as on meshes ordered slowest first)."""
+  ld = loads(sched, tuple(axis_sizes))
+  chunk = nbytes / sched.message_chunks
+  k = len(axis_sizes)
+  row = np.zeros(2 * k + 5)
+  row[0] = 1.0
+  for t in np.flatnonzero(ld.moving):
+    a = ld.outermost[t]
+    row[1 + 2 * a] += 1.0
+    row[2 + 2 * a] += ld.chunks[t] * chunk
+  buffer = ld.buffer_chunks * chunk
+  row[-4] = ld.messages.sum() / sched.axis_size
+  row[-3] = buffer * ld.moving.sum()
+  row[-2] = fresh_bytes(ld, ld.chunks * chunk, buffer, fresh_threshold)
+  row[-1] = ld.touched.sum() * chunk
+  return row
 
 
 def predict_native(primitive: str, profile: Profile, axis_names: Sequence[str],

@@ -4,12 +4,13 @@
 model: the argmin of the predicted time (:mod:`jaxcoll._src.cost`) over every
 algorithm of the primitive that runs on these axes, native included, with
 hierarchical's per-axis stages chosen too. Native, the reference, is kept
-unless a schedule is predicted ``NATIVE_MARGIN`` times faster: on the CPU
-testbed predictions of large messages were off by up to ~2.5x (README, Cost
-model), and a pick slower than the lax collective is the one mistake auto must
-not make. Ties go to the order of ``algorithms()``. The choice is a pure function of static
-information (primitive, message bytes, axis names and sizes, profile), so every
-process of a multi-process job picks the same algorithm.
+unless a schedule is predicted ``NATIVE_MARGIN`` times faster: a pick slower
+than the lax collective is the one mistake auto must not make, and on the CPU
+testbed a calibrated model still predicts single schedules only within about
+30% (README, Cost model). Ties go to the order of ``algorithms()``. The choice
+is a pure function of static information (primitive, message bytes, axis names
+and sizes, profile), so every process of a multi-process job picks the same
+algorithm.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from jaxcoll._src import cost
 from jaxcoll._src.algorithms import HIERARCHICAL, NATIVE, check_algorithm
 from jaxcoll._src.profile import Profile
 
-NATIVE_MARGIN = 2.0
+NATIVE_MARGIN = 1.25
 DEFAULT_PRESET = {"cpu": "cpu", "gpu": "h100-nvlink", "cuda": "h100-nvlink", "rocm": "h100-nvlink",
                   "tpu": "tpu-v5p-ici"}
 
@@ -37,10 +38,20 @@ class Hierarchical:
   ``Hierarchical(("recursive_doubling", "ring"))`` on axis_name ("node", "local")
   runs the node stage with recursive doubling and the local stages with rings;
   ``None`` entries (and ``algorithm="hierarchical"``) use the default, "ring"
-  ("direct" for all_to_all).
+  ("direct" for all_to_all). ``pieces=(8, 1)`` cuts the node stage's steps into
+  8 pieces each (:meth:`Schedule.in_pieces`): the same bytes in smaller messages,
+  which a slow TCP link carries better (not for all_to_all).
   """
 
   per_axis: tuple[str | None, ...] = ()
+  pieces: tuple[int, ...] = ()
+
+  def label(self, primitive: str, num_axes: int) -> str:
+    """The name explain and the benchmarks give it: ``hierarchical(ring,ring)``."""
+    default = "direct" if primitive == "all_to_all" else "ring"
+    stages = ",".join(a or default for a in (self.per_axis or (None,) * num_axes))
+    cut = f"; pieces {','.join(map(str, self.pieces))}" if self.pieces else ""
+    return f"{HIERARCHICAL}({stages}{cut})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,15 +100,35 @@ def choose(primitive, axis_names, axis_sizes, nbytes, profile, *, partial_sum_sc
                          partial_sum_scale=partial_sum_scale))
 
 
+def auto_label(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[int],
+               nbytes: float, profile: Profile, *, partial_sum_scale: float = 1.0,
+               weighed: Sequence[Candidate] | None = None) -> str:
+  """What ``algorithm="auto"`` runs for this call (as :func:`resolve` decides), named as
+  :func:`candidates` names it: an override, native on one device, else :func:`pick`.
+  ``weighed``: the candidates, when already priced."""
+  override = config_lib.override(primitive)
+  if override == HIERARCHICAL:
+    override = Hierarchical()
+  if isinstance(override, Hierarchical):
+    return override.label(primitive, len(axis_names))
+  if override is not None:
+    return override
+  if math.prod(axis_sizes) <= 1:
+    return NATIVE
+  return pick(weighed or candidates(primitive, axis_names, axis_sizes, nbytes, profile,
+                                    partial_sum_scale=partial_sum_scale)).label
+
+
 def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],
             axis_sizes: tuple[int, ...], nbytes: int,
             partial_sum_scale: float = 1.0) -> tuple[str, dict]:
   """The concrete algorithm to run for one call and its schedule options."""
   if isinstance(algorithm, str) and algorithm == "auto":
     algorithm = config_lib.override(primitive) or "auto"
-  per_axis = None
+  per_axis = pieces = None
   if isinstance(algorithm, Hierarchical):
-    algorithm, per_axis = HIERARCHICAL, tuple(algorithm.per_axis) or None
+    algorithm, per_axis, pieces = (HIERARCHICAL, tuple(algorithm.per_axis) or None,
+                                   tuple(algorithm.pieces) or None)
   if not isinstance(algorithm, str):
     raise ValueError(f"algorithm={algorithm!r}: expected a name or jaxcoll.Hierarchical")
   check_algorithm(primitive, algorithm)
@@ -111,6 +142,7 @@ def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],
     if len(axis_sizes) < 2:
       raise ValueError(f"algorithm='hierarchical' runs over a tuple of mesh axes "
                        f"(outer, ..., inner); axis_name names one axis of size {axis_sizes[0]}")
-    return HIERARCHICAL, {"axis_sizes": axis_sizes, "per_axis": per_axis}
+    options = {"axis_sizes": axis_sizes, "per_axis": per_axis}
+    return HIERARCHICAL, options | ({"stage_pieces": pieces} if pieces else {})
   return algorithm, {}
 

