@@ -1,5 +1,6 @@
 """jaxcoll: custom collective communication for JAX, built from ppermute schedules."""
 
+from jaxcoll import distributed
 from jaxcoll._src.algorithms import algorithms, schedule
 from jaxcoll._src.calibrate import calibrate
 from jaxcoll._src.collectives import (
@@ -39,6 +40,7 @@ __all__ = (
     "broadcast",
     "calibrate",
     "config",
+    "distributed",
     "explain",
     "reduce",
     "reduce_scatter",

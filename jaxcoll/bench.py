@@ -1,0 +1,426 @@
+"""Measure every collective, as nccl-tests does: ``python -m jaxcoll.bench`` (``jaxcoll-bench``).
+
+  jaxcoll-bench -b 8 -e 64M -f 2 --op all_reduce --algorithm all --check
+  python -m jaxcoll.launch -n 2 -- jaxcoll-bench --mesh 2x4 --axes node,local
+
+For each message size (``-b`` to ``-e``, times ``-f``) every algorithm is timed
+side by side (:func:`jaxcoll._src.timing.interleaved`: ``-w`` warm-up calls,
+then ``-n`` rounds, each algorithm once per round in rotated order; medians).
+Sizes are bytes per device as in :meth:`Schedule.bytes_per_rank`: the input
+of all_reduce, reduce_scatter, broadcast, reduce and all_to_all, the output of
+all_gather (nccl-tests' convention), rounded down to a multiple of
+``devices x dtype size``. Columns: size, count (elements per device), dtype,
+algorithm (``auto`` shows what it picked), time (median, us), algbw = size /
+time, busbw = algbw x nccl-tests' bus factor, #wrong (``--check``: elements
+that differ from the native collective's result; the inputs are small integers,
+so every algorithm's result is exact), and the time predicted by ``--profile``.
+
+Bus factors (nccl-tests' PERFORMANCE.md): all_reduce 2(n-1)/n; reduce_scatter,
+all_gather and all_to_all (n-1)/n; broadcast and reduce 1.
+
+In one process ``--devices`` CPU devices are made (default 8); under
+:mod:`jaxcoll.launch` (or any multi-host launcher) the job's devices are used,
+and process 0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import io
+import json
+import math
+import os
+import re
+import statistics
+import sys
+from collections.abc import Sequence
+
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+OPS = tuple(BUS_FACTOR)
+UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+  """``8``, ``64K``, ``16M``, ``1G`` (powers of 1024, as nccl-tests reads them)."""
+  m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, re.IGNORECASE)
+  if not m:
+    raise argparse.ArgumentTypeError(f"size {text!r}: expected a number of bytes such as 8, "
+                                     "64K, 16M or 1G")
+  return int(m.group(1)) * UNITS[m.group(2).upper()]
+
+
+def size_sweep(begin: int, end: int, factor: float, step: int = 0) -> list[int]:
+  """Sizes from ``begin`` to ``end``: times ``factor`` (nccl-tests' -f), or plus ``step``."""
+  if begin <= 0 or end < begin:
+    raise ValueError(f"sizes: -b {begin} and -e {end} must satisfy 0 < begin <= end")
+  if not step and factor <= 1:
+    raise ValueError(f"-f {factor} must be > 1 (or give -i, a step in bytes)")
+  out, s = [], begin
+  while s <= end:
+    out.append(int(s))
+    s = s + step if step else s * factor
+  return out
+
+
+def fmt_bytes(b: float) -> str:
+  for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    if b >= size:
+      return f"{b / size:g} {unit}"
+  return f"{b:g} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One measurement: an algorithm at a size."""
+
+  op: str
+  size: int            # bytes per device (all_gather: output)
+  count: int           # elements per device (input)
+  dtype: str
+  algorithm: str       # what ran ("auto -> ring" for auto)
+  time_us: float       # median
+  algbw_gbs: float
+  busbw_gbs: float
+  wrong: int | None    # None without --check
+  predicted_us: float | None
+  rounds: int
+
+
+def _call(op, x, axes, algorithm):
+  import jaxcoll
+  if op == "all_to_all":
+    return jaxcoll.all_to_all(x, axes, 0, 0, tiled=True, algorithm=algorithm)
+  if op in ("reduce_scatter", "all_gather"):
+    return getattr(jaxcoll, op)(x, axes, tiled=True, algorithm=algorithm)
+  return getattr(jaxcoll, op)(x, axes, algorithm=algorithm)
+
+
+def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", *,
+        mesh=None, axes: Sequence[str] | None = None, dtype="float32", iters: int = 20,
+        warmup: int = 5, check: bool = False, profile=None, min_seconds: float = 0.0,
+        progress: bool = False) -> list[Row]:
+  """Measures ``op`` at every size with every algorithm; returns one :class:`Row` each.
+
+  Args:
+    op: one of :data:`OPS`.
+    sizes: bytes per device (rounded down to a multiple of devices x itemsize).
+    algorithms: names of ``jaxcoll.algorithms(op)`` plus "auto", or "all" (every
+      algorithm that runs over ``axes``, and auto); :class:`jaxcoll.Hierarchical`
+      values too (labelled ``hierarchical(ring,ring; pieces 8,1)``).
+    mesh: the mesh (default: every device on one axis "x").
+    axes: the axes the collective runs over (default: all of the mesh's).
+    dtype: the element type.
+    iters: timed rounds (each algorithm once per round); medians.
+    warmup: untimed calls of each algorithm first.
+    check: count the elements that differ from the native collective's result.
+    profile: a :class:`jaxcoll.Profile` (or preset name): auto prices with it, and
+      every row gets its predicted time.
+    min_seconds: more rounds per size until they have taken this long.
+    progress: a progress bar on stderr (process 0, tqdm when installed).
+  """
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jaxcoll
+  from jaxcoll._src import dispatch, timing
+  from jaxcoll._src.profile import PRESET_NAMES
+
+  if op not in OPS:
+    raise ValueError(f"op={op!r}: expected one of {OPS}")
+  mesh = mesh or jax.make_mesh((jax.device_count(),), ("x",))
+  axes = tuple(axes or mesh.axis_names)
+  for a in axes:
+    if a not in mesh.axis_names:
+      raise ValueError(f"axes: {a!r} is not an axis of the mesh {mesh.axis_names}")
+  axis_sizes = tuple(dict(mesh.shape)[a] for a in axes)
+  n = math.prod(axis_sizes)
+  if isinstance(profile, str):
+    profile = (jaxcoll.Profile.preset(profile) if profile in PRESET_NAMES
+               else jaxcoll.Profile.load(profile))
+  valid = jaxcoll.algorithms(op, num_axes=len(axes))
+  if algorithms == "all" or algorithms == ["all"]:
+    algorithms = [*valid, "auto"]
+  for a in algorithms:
+    if isinstance(a, jaxcoll.Hierarchical):
+      if "hierarchical" not in valid:
+        raise ValueError(f"{a} does not run {op} over {len(axes)} axis(es)")
+    elif a != "auto" and a not in valid:
+      raise ValueError(f"--algorithm {a!r} does not run {op} over {len(axes)} axis(es); "
+                       f"expected 'auto', 'all' or some of {valid}")
+  dt = np.dtype(dtype)
+  spec = P(mesh.axis_names)
+  sharding = NamedSharding(mesh, spec)
+  devices = mesh.devices.size
+  axis_arg = axes if len(axes) > 1 else axes[0]
+  prof = dispatch.profile_in_use(profile)
+  bar = None
+  if progress and jax.process_index() == 0:
+    try:
+      from tqdm import tqdm
+      bar = tqdm(total=len(sizes), desc=f"{op}", file=sys.stderr, leave=False)
+    except ImportError:
+      pass
+
+  with jaxcoll.config(profile=profile) if profile is not None else _nothing():
+    rows = []
+    for size in sizes:
+      unit = n * dt.itemsize
+      nbytes = max(unit, size // unit * unit)
+      count = nbytes // dt.itemsize // (n if op == "all_gather" else 1)
+      # small integers, different on every device: every algorithm's result is exact
+      host = (np.arange(devices * count).reshape(devices, count) % 7
+              + np.arange(devices)[:, None] % 3).astype(dt)
+      x = jax.device_put(host, sharding)
+      fns = [jax.jit(jax.shard_map(lambda v, a=a: _call(op, v[0], axis_arg, a)[None],
+                                   mesh=mesh, in_specs=spec, out_specs=spec))
+             for a in algorithms]
+      times = timing.interleaved([lambda f=f, x=x: f(x).block_until_ready() for f in fns],
+                                 reps=iters, warmup=warmup, min_seconds=min_seconds)
+      wrong = [None] * len(fns)
+      if check:
+        want = _local(jax.jit(jax.shard_map(lambda v: _call(op, v[0], axis_arg, "native")[None],
+                                            mesh=mesh, in_specs=spec, out_specs=spec))(x))
+        wrong = [_count_wrong(_local(f(x)), want) for f in fns]
+      candidates = dispatch.candidates(op, axes, axis_sizes, nbytes, prof)
+      weighed = {c.label: c.predicted_s for c in candidates}
+      for a, t, w in zip(algorithms, times, wrong):
+        key = label = a
+        if a == "auto":
+          key = dispatch.auto_label(op, axes, axis_sizes, nbytes, prof, weighed=candidates)
+          label = f"auto -> {key}"
+        elif a == "hierarchical":
+          key = dispatch.Hierarchical().label(op, len(axes))
+        elif isinstance(a, jaxcoll.Hierarchical):
+          key = label = a.label(op, len(axes))
+        med = statistics.median(t)
+        algbw = nbytes / med / 1e9
+        rows.append(Row(op, nbytes, int(count), dt.name, label, med * 1e6, algbw,
+                        algbw * BUS_FACTOR[op](n), w,
+                        weighed[key] * 1e6 if profile is not None and key in weighed else None,
+                        len(t)))
+      if bar is not None:
+        bar.update()
+  if bar is not None:
+    bar.close()
+  return rows
+
+
+class _nothing:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+def _local(y):
+  """This process's shards of ``y``, in device order."""
+  import numpy as np
+  return [np.asarray(s.data) for s in sorted(y.addressable_shards, key=lambda s: s.device.id)]
+
+
+def _count_wrong(got, want) -> int:
+  """Elements that differ, summed over every process's shards."""
+  import jax
+  import numpy as np
+  mine = sum(int(np.sum(g != w)) for g, w in zip(got, want))
+  if jax.process_count() == 1:
+    return mine
+  from jax.experimental import multihost_utils
+  return int(np.sum(multihost_utils.process_allgather(np.int64(mine))))
+
+
+# ------------------------------------------------------------------ output
+
+HEADERS = ("size", "count", "type", "algorithm", "time (us)", "algbw (GB/s)", "busbw (GB/s)",
+           "#wrong", "predicted (us)")
+
+
+def table(rows: Sequence[Row], title: str = ""):
+  from jaxcoll._src.table import Table
+  cells = [(r.size, r.count, r.dtype, r.algorithm, f"{r.time_us:.1f}", f"{r.algbw_gbs:.3f}",
+            f"{r.busbw_gbs:.3f}", "-" if r.wrong is None else r.wrong,
+            "-" if r.predicted_us is None else f"{r.predicted_us:.1f}") for r in rows]
+  return Table.of(title, HEADERS, cells)
+
+
+def to_csv(rows: Sequence[Row]) -> str:
+  out = io.StringIO()
+  fields = [f.name for f in dataclasses.fields(Row)]
+  writer = csv.DictWriter(out, fieldnames=fields)
+  writer.writeheader()
+  for r in rows:
+    writer.writerow(dataclasses.asdict(r))
+  return out.getvalue()
+
+
+def plot(rows: Sequence[Row], path: str) -> None:
+  """busbw against size, one line per (op, algorithm); needs matplotlib."""
+  try:
+    import matplotlib
+  except ImportError as e:
+    raise SystemExit("--plot needs matplotlib: pip install 'jaxcoll[plot]'") from e
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  ops = sorted({r.op for r in rows})
+  for op in ops:
+    for algo in dict.fromkeys(r.algorithm.split(" -> ")[0] for r in rows if r.op == op):
+      mine = [r for r in rows if r.op == op and r.algorithm.split(" -> ")[0] == algo]
+      label = algo if len(ops) == 1 else f"{op} {algo}"
+      ax.plot([r.size for r in mine], [r.busbw_gbs for r in mine], marker="o", label=label)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("message size per device (bytes)")
+  ax.set_ylabel("busbw (GB/s)")
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def _write(text: str, path: str) -> None:
+  if path == "-":
+    sys.stdout.write(text)
+  else:
+    with open(path, "w") as f:
+      f.write(text)
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="jaxcoll-bench", description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"))
+  p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
+  p.add_argument("-f", "--stepfactor", type=float, default=2.0)
+  p.add_argument("-i", "--stepbytes", type=parse_size, default=0,
+                 help="fixed increment instead of -f")
+  p.add_argument("--sizes", default=None, metavar="S[,S...]",
+                 help="these sizes instead of the -b/-e sweep (e.g. 1M,16M,64M)")
+  p.add_argument("--op", default="all_reduce",
+                 help=f"one or more (comma-separated) of {', '.join(OPS)}")
+  p.add_argument("--algorithm", default="all",
+                 help="comma-separated names of jaxcoll.algorithms(op) and 'auto', or 'all'")
+  p.add_argument("-d", "--dtype", default="float32")
+  p.add_argument("-n", "--iters", type=int, default=20, help="timed rounds (default 20)")
+  p.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up calls (default 5)")
+  p.add_argument("--min-seconds", type=float, default=0.0,
+                 help="more rounds per size until they take this long")
+  p.add_argument("-c", "--check", action="store_true",
+                 help="count elements that differ from the native collective's result")
+  p.add_argument("--mesh", default=None, help="mesh shape, e.g. 2x4 (default: all devices)")
+  p.add_argument("--axes", default=None, help="mesh axis names, e.g. node,local")
+  p.add_argument("--over", default=None,
+                 help="the axes the collective runs over (default: all of --axes)")
+  p.add_argument("--pieces", default=None, metavar="P[,P...]",
+                 help="also run hierarchical with its stages cut into these pieces, outermost "
+                      "axis first (e.g. 8,1; jaxcoll.Hierarchical(pieces=...))")
+  p.add_argument("--profile", default=None,
+                 help="a preset name or a profile JSON: auto uses it; adds predicted times")
+  p.add_argument("--calibrate", default=None, metavar="SIZES",
+                 help="first run jaxcoll.calibrate on the mesh at these sizes (e.g. 1M,16M) "
+                      "and use that profile (instead of --profile)")
+  p.add_argument("--save-profile", default=None, metavar="PATH",
+                 help="write the profile --calibrate measured")
+  p.add_argument("--devices", type=int, default=8,
+                 help="CPU devices in a single-process run (default 8)")
+  p.add_argument("--json", default=None, metavar="PATH", help="rows as JSON ('-': stdout)")
+  p.add_argument("--csv", default=None, metavar="PATH", help="rows as CSV ('-': stdout)")
+  p.add_argument("--plot", default=None, metavar="PNG", help="busbw vs size (matplotlib)")
+  p.add_argument("--no-progress", action="store_true")
+  return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  from jaxcoll import distributed
+  if distributed.launched():
+    distributed.initialize()
+  else:   # read when the CPU backend starts, which has not happened yet
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+      os.environ["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count="
+                                 f"{args.devices}").strip()
+  import jax
+  import numpy as np
+  ops = [o.strip() for o in args.op.split(",")]
+  for op in ops:
+    if op not in OPS:
+      raise SystemExit(f"--op {op!r}: expected one of {', '.join(OPS)}")
+  try:
+    sizes = ([parse_size(v) for v in args.sizes.split(",")] if args.sizes else
+             size_sweep(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes))
+  except (ValueError, argparse.ArgumentTypeError) as e:
+    raise SystemExit(str(e)) from e
+  names = tuple(a.strip() for a in (args.axes or "x").split(","))
+  shape = (tuple(int(d) for d in args.mesh.lower().split("x")) if args.mesh
+           else (jax.device_count(),))
+  if len(shape) != len(names):
+    raise SystemExit(f"--mesh {args.mesh} has {len(shape)} axes but --axes names {len(names)}")
+  if math.prod(shape) != jax.device_count():
+    raise SystemExit(f"--mesh {'x'.join(map(str, shape))} needs {math.prod(shape)} devices; "
+                     f"this job has {jax.device_count()}")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(shape), names)
+  over = tuple(a.strip() for a in args.over.split(",")) if args.over else names
+  algorithms = "all" if args.algorithm == "all" else [a.strip() for a in
+                                                       args.algorithm.split(",")]
+  main_process = jax.process_index() == 0
+  profile = args.profile
+  if args.calibrate:
+    import jaxcoll
+    profile = jaxcoll.calibrate(mesh, over, [parse_size(v) for v in args.calibrate.split(",")],
+                                primitives=ops, progress=not args.no_progress and main_process,
+                                name="calibrated")
+    if main_process:
+      print(f"calibrated: {profile.summary()}", flush=True)
+      if args.save_profile:
+        profile.save(args.save_profile)
+  rows = []
+  for op in ops:
+    chosen = algorithms
+    if args.pieces and op != "all_to_all":   # all_to_all stages forward whole blocks
+      import jaxcoll
+      chosen = [*([*jaxcoll.algorithms(op, num_axes=len(over)), "auto"] if algorithms == "all"
+                  else algorithms),
+                jaxcoll.Hierarchical(pieces=tuple(int(v) for v in args.pieces.split(",")))]
+    try:
+      rows += run(op, sizes, chosen, mesh=mesh, axes=over, dtype=args.dtype,
+                  iters=args.iters, warmup=args.warmup_iters, check=args.check,
+                  profile=profile, min_seconds=args.min_seconds,
+                  progress=not args.no_progress)
+    except ValueError as e:
+      raise SystemExit(str(e)) from e
+  if not main_process:
+    return 0
+  allocator = "jemalloc" if "jemalloc" in os.environ.get("LD_PRELOAD", "") else "system malloc"
+  title = (f"{jax.process_count()} process(es), {jax.device_count()} devices "
+           f"({jax.default_backend()}), mesh {dict(mesh.shape)}, over {over}, "
+           f"medians of {args.iters} rounds; allocator {allocator}")
+  if args.json != "-" and args.csv != "-":
+    table(rows, title).print()
+  if args.json:
+    _write(json.dumps({"title": title, "rows": [dataclasses.asdict(r) for r in rows]},
+                      indent=1) + "\n", args.json)
+  if args.csv:
+    _write(to_csv(rows), args.csv)
+  if args.plot:
+    plot(rows, args.plot)
+  bad = sum(r.wrong or 0 for r in rows)
+  if bad:
+    print(f"{bad} wrong elements", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""Joining a multi-process job: :func:`initialize`.
+
+Call it first thing in a script that :mod:`jaxcoll.launch` starts (or any
+multi-host launcher starts), before JAX touches a device. Under
+``jaxcoll.launch`` it reads the coordinator, the number of processes and this
+process's id from the environment the launcher set, selects gloo for CPU
+collectives, and, where the launcher gave this rank an address (a rank in its
+own network namespace), makes gloo bind to and advertise that address instead
+of what the host name resolves to (127.0.0.1 inside a namespace, which the other
+side cannot reach). It also makes an uncaught exception end the process at once,
+after printing its traceback: a normal exit would first wait in
+``jax.distributed``'s shutdown barrier for peers that are themselves waiting in a
+collective for this process, so the launcher would see the failure only when a
+timeout fires (30 s of heartbeats here). Otherwise it defers to ``jax.distributed.initialize()``,
+whose own cluster detection covers SLURM, Open MPI, Kubernetes and cloud TPU
+jobs unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from jaxcoll.launch import ENV_COORDINATOR, ENV_LOCAL_ADDRESS, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+
+def launched() -> bool:
+  """Whether this process was started by :mod:`jaxcoll.launch`."""
+  return ENV_COORDINATOR in os.environ
+
+
+def initialize(**kwargs) -> None:
+  """``jax.distributed.initialize`` with what :mod:`jaxcoll.launch` set (else JAX's own
+  cluster detection). Extra keyword arguments go to ``jax.distributed.initialize``.
+  Does nothing when this process already joined a job."""
+  import jax
+  from jax._src import distributed as jax_distributed
+  if jax_distributed.global_state.client is not None:
+    return
+  if not launched():
+    jax.distributed.initialize(**kwargs)
+    return
+  sys.excepthook = _exit_at_once
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  address = os.environ.get(ENV_LOCAL_ADDRESS)
+  if address:
+    _gloo_on(address)
+  jax.distributed.initialize(coordinator_address=os.environ[ENV_COORDINATOR],
+                             num_processes=int(os.environ[ENV_NUM_PROCESSES]),
+                             process_id=int(os.environ[ENV_PROCESS_ID]), **kwargs)
+
+
+def _exit_at_once(kind, value, traceback) -> None:
+  """Prints the traceback, then exits without the shutdown barrier (module docstring)."""
+  sys.__excepthook__(kind, value, traceback)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(1)
+
+
+def _gloo_on(address: str) -> None:
+  """Registers a CPU backend whose gloo transport uses ``address`` (jax 0.10 offers no flag:
+  its own factory calls ``make_gloo_tcp_collectives`` without a host name)."""
+  from jax._src import distributed as jax_distributed
+  from jax._src import xla_bridge
+  from jax._src.lib import _jax
+
+  def make_cpu_client():
+    collectives = _jax.make_gloo_tcp_collectives(
+        distributed_client=jax_distributed.global_state.client, hostname=address)
+    return xla_bridge.make_cpu_client(collectives=collectives)
+
+  xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)

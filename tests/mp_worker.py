@@ -1,0 +1,87 @@
+"""One rank of the multi-process tests (tests/test_multiprocess.py starts it with jaxcoll.launch).
+
+  mp_worker.py collectives   every algorithm of every primitive over ("process", "local"),
+                             and each axis alone, equals lax on this rank's devices
+  mp_worker.py fail          rank 1 raises after joining; rank 0 waits in a collective
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxcoll import distributed  # noqa: E402
+
+distributed.initialize()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxcoll  # noqa: E402
+from tests.helpers import call, call_lax, input_length  # noqa: E402
+
+PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce",
+              "shift")
+
+
+def run(mesh, body, x):
+  """``body`` on every device; returns this process's rows (one per local device, in order)."""
+  spec = P(mesh.axis_names)
+  f = jax.jit(jax.shard_map(
+      lambda v: jax.tree.map(lambda o: o[None], body(jax.tree.map(lambda i: i[0], v))),
+      mesh=mesh, in_specs=spec, out_specs=spec))
+  rows = _local_rows(mesh)
+  out = f(jax.tree.map(lambda a: jax.make_array_from_process_local_data(
+      NamedSharding(mesh, spec), a[rows]), x))
+  return jax.tree.map(lambda a: np.concatenate(
+      [np.asarray(s.data) for s in sorted(a.addressable_shards, key=lambda s: s.index[0].start)]),
+      out)
+
+
+def _local_rows(mesh):
+  """Rows of the global [devices, ...] input that live on this process, in mesh order."""
+  flat = list(mesh.devices.flat)
+  return [i for i, d in enumerate(flat) if d.process_index == jax.process_index()]
+
+
+def collectives() -> None:
+  assert jax.process_count() == 2 and jax.device_count() == 8, (jax.process_count(),
+                                                                jax.device_count())
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("process", "local"))
+  checked = 0
+  for axes in (("process", "local"), ("process",), ("local",)):
+    n = int(np.prod([dict(mesh.shape)[a] for a in axes]))
+    over = axes if len(axes) > 1 else axes[0]
+    cases = [(p, a) for p in PRIMITIVES for a in jaxcoll.algorithms(p, num_axes=len(axes))]
+    rng = np.random.default_rng(n)
+    xs = {p: rng.integers(-8, 8, (mesh.size, input_length(p, n, 6))).astype(np.float32)
+          for p in PRIMITIVES}
+    root = n - 1   # on the second process when the group spans both
+    got = run(mesh, lambda v, over=over, root=root, cases=cases: {
+        f"{p}/{a}": call(p, v[p], over, a, root) for p, a in cases}, xs)
+    want = run(mesh, lambda v, over=over, root=root: {
+        p: call_lax(p, v[p], over, root) for p in PRIMITIVES}, xs)
+    for p, a in cases:
+      np.testing.assert_array_equal(got[f"{p}/{a}"], want[p], err_msg=f"{p} {a} over {axes}")
+      checked += 1
+  print(f"rank {jax.process_index()}: {checked} (primitive, algorithm, axes) cases equal lax",
+        flush=True)
+
+
+def fail() -> None:
+  if jax.process_index() == 1:
+    raise ValueError("rank 1 fails on purpose")
+  mesh = Mesh(np.array(jax.devices()), ("x",))
+  x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")),
+                                             np.ones((4, 1), np.float32))
+  jax.jit(jax.shard_map(lambda v: jaxcoll.all_reduce(v, "x", algorithm="ring"), mesh=mesh,
+                        in_specs=P("x"), out_specs=P("x")))(x).block_until_ready()
+  raise AssertionError("rank 0 finished a collective its peer never joined")
+
+
+if __name__ == "__main__":
+  {"collectives": collectives, "fail": fail}[sys.argv[1]]()
