@@ -2,7 +2,7 @@
 
 Runs on a 2 x 4 mesh ("node", "local"), every collective over the tuple:
   --processes 1: 8 CPU devices in one process;
-  --processes 2: 2 processes x 4 devices on loopback, gloo (benchmarks/local_launch.py).
+  --processes 2: 2 processes x 4 devices on loopback, gloo (jaxcoll.launch).
 First ``jaxcoll.calibrate`` measures the mesh at the benchmark's sizes. Then, for
 every size, every algorithm of ``--primitive`` (default all_reduce; flat ones
 over the tuple, hierarchical with auto's per-axis stages when auto picks it,
@@ -23,13 +23,9 @@ import statistics
 import sys
 import time
 
+from jaxcoll.bench import parse_size
+
 SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
-
-
-def parse_size(text: str) -> int:
-  units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-  text = text.strip().upper()
-  return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
 def fmt_size(b: int) -> str:
@@ -48,20 +44,10 @@ def _elements(primitive: str, nbytes: int) -> int:
   return nbytes // 4 // (8 if primitive == "all_gather" else 1)
 
 
-def _call(primitive: str, v, axes, algorithm):
-  import jaxcoll
-  if primitive == "all_to_all":
-    return jaxcoll.all_to_all(v, axes, 0, 0, tiled=True, algorithm=algorithm)
-  if primitive in ("all_gather", "reduce_scatter"):
-    return getattr(jaxcoll, primitive)(v, axes, tiled=True, algorithm=algorithm)
-  return jaxcoll.all_reduce(v, axes, algorithm=algorithm)
-
-
 def child(args) -> int:
   if args.processes > 1:
-    sys.path.insert(0, os.path.dirname(__file__))
-    import local_launch
-    local_launch.initialize()
+    from jaxcoll import distributed
+    distributed.initialize()
   else:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
@@ -72,6 +58,7 @@ def child(args) -> int:
 
   import jaxcoll
   from jaxcoll._src import dispatch, timing
+  from jaxcoll._src.collectives import flat_call
 
   main = jax.process_index() == 0
   say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
@@ -103,8 +90,8 @@ def child(args) -> int:
     predicted.update({(s, c.label): c.predicted_s for c in weighed if c.label in algos})
     calls = []
     for algo in algos.values():
-      fn = jax.jit(jax.shard_map(lambda v, algo=algo: _call(args.primitive, v[0], axes, algo)[None],
-                                 mesh=mesh, in_specs=spec, out_specs=spec))
+      body = lambda v, algo=algo: flat_call(args.primitive, v[0], axes, algo)[None]  # noqa: E731
+      fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
       x = jax.device_put(np.ones((8, _elements(args.primitive, s)), np.float32), sharding)
       calls.append(lambda fn=fn, x=x: fn(x).block_until_ready())
     times = timing.interleaved(calls, reps=args.reps, min_seconds=args.min_seconds)
@@ -166,11 +153,10 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.processes == 1 or args.child:
     return child(args)
-  sys.path.insert(0, os.path.dirname(__file__))
-  import local_launch
-  forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
-  return local_launch.run([os.path.abspath(__file__), *forwarded, "--child"], processes=2,
-                          devices_per_process=4, timeout=args.timeout)
+  from jaxcoll.launch import launch
+  forwarded = list(argv if argv is not None else sys.argv[1:])
+  return launch([sys.executable, os.path.abspath(__file__), *forwarded, "--child"], processes=2,
+                devices_per_process=4, timeout=args.timeout)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ Sizes are bytes per device as in :meth:`Schedule.bytes_per_rank`: the input
 of all_reduce, reduce_scatter, broadcast, reduce and all_to_all, the output of
 all_gather (nccl-tests' convention), rounded down to a multiple of
 ``devices x dtype size``. Columns: size, count (elements per device), dtype,
-algorithm (``auto`` shows what it picked), time (median, us), algbw = size /
+algorithm (``auto -> X``: what auto runs, which is X's program, timed once for both),
+time (median, us), algbw = size /
 time, busbw = algbw x nccl-tests' bus factor, #wrong (``--check``: elements
 that differ from the native collective's result; the inputs are small integers,
 so every algorithm's result is exact), and the time predicted by ``--profile``.
@@ -26,6 +27,7 @@ and process 0 prints.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import io
@@ -95,15 +97,6 @@ class Row:
   rounds: int
 
 
-def _call(op, x, axes, algorithm):
-  import jaxcoll
-  if op == "all_to_all":
-    return jaxcoll.all_to_all(x, axes, 0, 0, tiled=True, algorithm=algorithm)
-  if op in ("reduce_scatter", "all_gather"):
-    return getattr(jaxcoll, op)(x, axes, tiled=True, algorithm=algorithm)
-  return getattr(jaxcoll, op)(x, axes, algorithm=algorithm)
-
-
 def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", *,
         mesh=None, axes: Sequence[str] | None = None, dtype="float32", iters: int = 20,
         warmup: int = 5, check: bool = False, profile=None, min_seconds: float = 0.0,
@@ -134,6 +127,7 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
 
   import jaxcoll
   from jaxcoll._src import dispatch, timing
+  from jaxcoll._src.collectives import flat_call
   from jaxcoll._src.profile import PRESET_NAMES
 
   if op not in OPS:
@@ -172,7 +166,7 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
     except ImportError:
       pass
 
-  with jaxcoll.config(profile=profile) if profile is not None else _nothing():
+  with jaxcoll.config(profile=profile) if profile is not None else contextlib.nullcontext():
     rows = []
     for size in sizes:
       unit = n * dt.itemsize
@@ -182,19 +176,9 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
       host = (np.arange(devices * count).reshape(devices, count) % 7
               + np.arange(devices)[:, None] % 3).astype(dt)
       x = jax.device_put(host, sharding)
-      fns = [jax.jit(jax.shard_map(lambda v, a=a: _call(op, v[0], axis_arg, a)[None],
-                                   mesh=mesh, in_specs=spec, out_specs=spec))
-             for a in algorithms]
-      times = timing.interleaved([lambda f=f, x=x: f(x).block_until_ready() for f in fns],
-                                 reps=iters, warmup=warmup, min_seconds=min_seconds)
-      wrong = [None] * len(fns)
-      if check:
-        want = _local(jax.jit(jax.shard_map(lambda v: _call(op, v[0], axis_arg, "native")[None],
-                                            mesh=mesh, in_specs=spec, out_specs=spec))(x))
-        wrong = [_count_wrong(_local(f(x)), want) for f in fns]
       candidates = dispatch.candidates(op, axes, axis_sizes, nbytes, prof)
-      weighed = {c.label: c.predicted_s for c in candidates}
-      for a, t, w in zip(algorithms, times, wrong):
+      keys, labels = [], []   # what each entry runs (as candidates name it), and its row label
+      for a in algorithms:
         key = label = a
         if a == "auto":
           key = dispatch.auto_label(op, axes, axis_sizes, nbytes, prof, weighed=candidates)
@@ -203,25 +187,37 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
           key = dispatch.Hierarchical().label(op, len(axes))
         elif isinstance(a, jaxcoll.Hierarchical):
           key = label = a.label(op, len(axes))
-        med = statistics.median(t)
+        keys.append(key)
+        labels.append(label)
+      # one program per distinct key: auto's pick is the same program as that algorithm's
+      runs = {}
+      for k, a in zip(keys, algorithms):
+        runs.setdefault(k, a)
+      fns = {k: jax.jit(jax.shard_map(lambda v, a=a: flat_call(op, v[0], axis_arg, a)[None],
+                                      mesh=mesh, in_specs=spec, out_specs=spec))
+             for k, a in runs.items()}
+      times = dict(zip(fns, timing.interleaved(
+          [lambda f=f, x=x: f(x).block_until_ready() for f in fns.values()],
+          reps=iters, warmup=warmup, min_seconds=min_seconds)))
+      wrong = dict.fromkeys(fns)
+      if check:
+        native = jax.jit(jax.shard_map(lambda v: flat_call(op, v[0], axis_arg, "native")[None],
+                                       mesh=mesh, in_specs=spec, out_specs=spec))
+        want = _local(native(x))
+        wrong = {k: _count_wrong(_local(f(x)), want) for k, f in fns.items()}
+      weighed = {c.label: c.predicted_s for c in candidates}
+      for key, label in zip(keys, labels):
+        med = statistics.median(times[key])
         algbw = nbytes / med / 1e9
+        predicted = weighed.get(key) if profile is not None else None
         rows.append(Row(op, nbytes, int(count), dt.name, label, med * 1e6, algbw,
-                        algbw * BUS_FACTOR[op](n), w,
-                        weighed[key] * 1e6 if profile is not None and key in weighed else None,
-                        len(t)))
+                        algbw * BUS_FACTOR[op](n), wrong[key],
+                        None if predicted is None else predicted * 1e6, len(times[key])))
       if bar is not None:
         bar.update()
   if bar is not None:
     bar.close()
   return rows
-
-
-class _nothing:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    return False
 
 
 def _local(y):

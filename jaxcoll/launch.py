@@ -4,7 +4,8 @@
 
 starts the command P times, as processes 0..P-1 of one ``jax.distributed`` job
 on 127.0.0.1 (a free coordinator port, CPU collectives over gloo, the CPU device
-count set), the way the same script runs across real hosts. Inside the script,
+count set, ``JAX_PLATFORMS=cpu`` unless the environment names a platform), the
+way the same script runs across real hosts. Inside the script,
 :func:`jaxcoll.distributed.initialize` reads what the launcher set. Every line a
 rank prints comes out prefixed with ``[rank]``. When a rank exits non-zero the
 others are killed and the launcher exits with that rank's code; when the

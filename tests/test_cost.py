@@ -58,6 +58,30 @@ def test_mu_term_counts_the_messages_per_device(primitive, algorithm, n):
   assert cost.predict(sched, only_mu, (AXIS,), (n,), 1.0) == pytest.approx(messages / n)
 
 
+@pytest.mark.parametrize("primitive,algorithm", FLAT)
+def test_nu_term_counts_every_devices_bytes_over_the_devices(primitive, algorithm):
+  n = 6
+  sched = jaxcoll.schedule(primitive, algorithm, n)
+  only_nu = Profile(links={AXIS: Link(0.0, 0.0)}, nu=1.0)
+  chunk = 600.0 / sched.message_chunks
+  total = sum(t.chunks_per_message * chunk * sum(s != d for s, d in t.perm)
+              for step in sched.steps for t in step.transfers)
+  assert cost.predict(sched, only_nu, (AXIS,), (n,), 600.0) == pytest.approx(total / n)
+
+
+def test_shared_bytes_make_the_hierarchical_all_reduce_no_faster_than_the_ring():
+  """Per busiest device the hierarchical all-reduce sends its local bytes in 6 big steps over
+  the fast axis; summed over devices it moves what the ring moves. With only nu (the CPUs
+  moving every device's bytes) both cost the same; with only a slow node beta hier wins."""
+  hier, ring = (jaxcoll.schedule("all_reduce", a, 8, **kw) for a, kw in
+                [("hierarchical", {"axis_sizes": (2, 4)}), ("ring", {})])
+  shared = Profile(links={"*": Link(0.0, 0.0)}, nu=1.0)
+  price = lambda s, p: cost.predict(s, p, ("node", "local"), (2, 4), 1 << 20)
+  assert price(hier, shared) == pytest.approx(price(ring, shared))
+  slow_node = Profile(links={"node": Link(0.0, 1.0), "local": Link(0.0, 0.1)})
+  assert price(hier, slow_node) < 0.5 * price(ring, slow_node)
+
+
 def test_fresh_term_prices_only_buffers_past_the_threshold():
   """Recursive doubling on 8 ranks: 3 unrolled steps, each receives M and copies the M buffer;
   the ring sends M/8 in a loop."""
@@ -72,9 +96,9 @@ def test_fresh_term_prices_only_buffers_past_the_threshold():
 def test_features_are_predict_as_a_linear_function_of_the_profile(primitive, algorithm):
   """What calibrate fits is what predict computes (one axis: no outermost-axis choice)."""
   sched = jaxcoll.schedule(primitive, algorithm, 6)
-  prof = Profile(links={AXIS: Link(3e-5, 2e-9)}, overhead=1e-4, mu=7e-5, delta=3e-11,
-                 fresh=1e-9, fresh_threshold=1e6, gamma=5e-10)
-  coef = [prof.overhead, 3e-5, 2e-9, prof.mu, prof.delta, prof.fresh, prof.gamma]
+  prof = Profile(links={AXIS: Link(3e-5, 2e-9)}, overhead=1e-4, mu=7e-5, nu=4e-10,
+                 delta=3e-11, fresh=1e-9, fresh_threshold=1e6, gamma=5e-10)
+  coef = [prof.overhead, 3e-5, 2e-9, prof.mu, prof.nu, prof.delta, prof.fresh, prof.gamma]
   for nbytes in (96.0, 6e6, 6e7):
     f = cost.features(sched, (6,), nbytes, prof.fresh_threshold)
     assert f @ coef == pytest.approx(cost.predict(sched, prof, (AXIS,), (6,), nbytes))

@@ -3,20 +3,20 @@
 The cost model (:mod:`jaxcoll._src.cost`) is linear in its parameters once a
 schedule's loads are known (:func:`cost.features`): each ppermute charged to
 the outermost axis it crosses costs alpha_a + beta_a * B, plus mu per message
-over the devices, delta per buffer byte, fresh per byte of large buffers made
-anew, gamma per byte touched locally, plus one overhead per call. So
-calibration times the schedules the dispatcher chooses among (all_reduce by
-ring, recursive doubling, halving-doubling, binomial tree, and hierarchical
-over several axes; all_gather ring; all_to_all direct and Bruck) at every size,
-and fits every coefficient to those times by non-negative least squares
-weighted by 1/t (relative error). Fitting to whole schedules, not to one lone
-ppermute or one lone combine, folds in what a step really costs in this runtime
-(its loop, its slices, the transport: in a multi-process CPU job every pair
-goes through gloo). (A separately timed combine ``v * 0.999 + v`` is no measure
-of gamma: its output is a fresh buffer, and page faults made its slope 1.4 ns/B
-on the CPU testbed, where the joint fit gives 0.15.) Every jax.lax collective
-jaxcoll calls "native" is timed at every size too, over the whole tuple of axes
-and over each axis alone.
+and nu per byte of all devices' messages over the devices, delta per buffer
+byte, fresh per byte of large buffers made anew, gamma per byte touched
+locally, plus one overhead per call. So calibration times the schedules the
+dispatcher chooses among (all_reduce by ring, recursive doubling, halving-
+doubling, binomial tree, and hierarchical over several axes; all_gather ring;
+all_to_all direct and Bruck) at every size, and fits every coefficient to those
+times by non-negative least squares weighted by 1/t (relative error). Fitting
+to whole schedules, not to one lone ppermute or one lone combine, folds in what
+a step really costs in this runtime (its loop, its slices, the transport: in a
+multi-process CPU job every pair goes through gloo). (A separately timed
+combine ``v * 0.999 + v`` is no measure of gamma: its output is a fresh buffer,
+and page faults made its slope 1.4 ns/B on the CPU testbed, where the joint fit
+gives 0.15.) Every jax.lax collective jaxcoll calls "native" is timed at every
+size too, over the whole tuple of axes and over each axis alone.
 
 All programs of one size are timed side by side (:func:`timing.interleaved`:
 rounds in rotated order, medians), so none is measured on buffers left warm by
@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src import cost, timing
 from jaxcoll._src.algorithms import schedule
+from jaxcoll._src.collectives import flat_call
 from jaxcoll._src.profile import Link, NativeTimes, Profile
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
@@ -99,8 +100,8 @@ def calibrate(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DE
               reps: int = 5, min_seconds: float = 1.0,
               primitives: Sequence[str] = NATIVE_PRIMITIVES, progress: bool = True,
               name: str = "calibrated") -> Profile:
-  """Measures alpha, beta per axis, mu, delta, gamma, the call overhead and the native
-  collectives, and returns them as a :class:`Profile`.
+  """Measures the cost model's coefficients (alpha and beta per axis, mu, nu, delta, fresh,
+  gamma, the call overhead) and the native collectives' times; returns a :class:`Profile`.
 
   Args:
     mesh: the ``jax.sharding.Mesh`` to measure (all its devices take part).
@@ -141,18 +142,19 @@ def calibrate(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DE
   axis_arg = axes if len(axes) > 1 else axes[0]
   programs = []   # (primitive, fn), in the order ``measured`` is read back below
   for primitive, algo in fit_algorithms:
-    programs.append((primitive, program(lambda v, p=primitive, a=algo: _call(p, v, axis_arg, a))))
+    programs.append((primitive, program(
+        lambda v, p=primitive, a=algo: flat_call(p, v, axis_arg, a))))
   for group in groups:
     for primitive in primitives:
       programs.append((primitive, program(
-          lambda v, p=primitive, g=group: _call(p, v, g if len(g) > 1 else g[0], "native"))))
+          lambda v, p=primitive, g=group: flat_call(p, v, g if len(g) > 1 else g[0], "native"))))
   bar = _Progress(len(sizes), progress)
   measured = np.zeros((len(programs), len(sizes)))
   for j, s in enumerate(sizes):
-    calls = []
-    for primitive, fn in programs:
-      x = jax.device_put(np.zeros((devices, _input_for(primitive, s) // 4), np.float32), sharding)
-      calls.append(lambda fn=fn, x=x: fn(x).block_until_ready())
+    inputs = {k: jax.device_put(np.zeros((devices, k // 4), np.float32), sharding)
+              for k in {_input_for(p, s) for p, _ in programs}}   # shared: memory, not time
+    args = [inputs[_input_for(p, s)] for p, _ in programs]
+    calls = [lambda fn=fn, x=x: fn(x).block_until_ready() for (_, fn), x in zip(programs, args)]
     times = timing.interleaved(calls, reps=reps, min_seconds=min_seconds,
                                on_round=lambda r, k, s=s: bar.note(f"{s} B, round {r}/{k}"))
     measured[:, j] = [statistics.median(t) for t in times]
@@ -177,15 +179,6 @@ def calibrate(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DE
   native = [NativeTimes(primitive, tuple(shape[a] for a in group), sizes,
                         tuple(float(t) for t in next(native_rows)))
             for group in groups for primitive in primitives]
-  return Profile(links=links, overhead=float(coef[0]), mu=float(coef[-4]), delta=float(coef[-3]),
-                 fresh=float(coef[-2]), fresh_threshold=FRESH_THRESHOLD, gamma=float(coef[-1]),
-                 native=tuple(native), name=name)
-
-
-def _call(primitive: str, v, axes, algorithm):
-  import jaxcoll
-  if primitive == "all_to_all":
-    return jaxcoll.all_to_all(v, axes, 0, 0, tiled=True, algorithm=algorithm)
-  if primitive in ("reduce_scatter", "all_gather"):
-    return getattr(jaxcoll, primitive)(v, axes, tiled=True, algorithm=algorithm)
-  return getattr(jaxcoll, primitive)(v, axes, algorithm=algorithm)
+  mu, nu, delta, fresh, gamma = map(float, coef[-5:])
+  return Profile(links=links, overhead=float(coef[0]), mu=mu, nu=nu, delta=delta, fresh=fresh,
+                 fresh_threshold=FRESH_THRESHOLD, gamma=gamma, native=tuple(native), name=name)

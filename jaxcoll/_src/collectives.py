@@ -329,3 +329,20 @@ def _normalize_dim(dim, ndim: int, argument: str) -> int:
   if not isinstance(dim, (int, np.integer)) or not -ndim <= dim < ndim:
     raise ValueError(f"{argument}={dim!r} is out of range for {ndim} dimension(s)")
   return int(dim) % ndim
+
+
+def flat_call(primitive: str, x, axis_name, algorithm="auto", *, root: int = 0):
+  """``primitive`` on a flat per-device buffer ``x`` of M bytes (all_gather: the piece), with
+  the layouts the schedules use: tiled reduce_scatter, all_gather and all_to_all along
+  axis 0. What calibrate and the benchmarks time."""
+  if primitive == "all_to_all":
+    return all_to_all(x, axis_name, 0, 0, tiled=True, algorithm=algorithm)
+  if primitive in ("reduce_scatter", "all_gather"):
+    fn = reduce_scatter if primitive == "reduce_scatter" else all_gather
+    return fn(x, axis_name, tiled=True, algorithm=algorithm)
+  if primitive in ("broadcast", "reduce"):
+    return (broadcast if primitive == "broadcast" else reduce)(x, axis_name, root=root,
+                                                               algorithm=algorithm)
+  if primitive == "shift":
+    return shift(x, axis_name, algorithm=algorithm)
+  return all_reduce(x, axis_name, algorithm=algorithm)

@@ -6,7 +6,7 @@ each is a collective launch everywhere). On mesh axes of sizes ``axis_sizes``,
 a message of M bytes, profile p:
 
   T = p.overhead + sum over transfers t of [ max over axes a crossed by t of
-        (alpha_a + beta_a * B_t)  +  mu * K_t / N  +  delta * W ]
+        (alpha_a + beta_a * B_t)  +  (mu + nu * B_t) * K_t / N  +  delta * W ]
       + gamma * sum over steps s of (L_s + U_s)  +  fresh * F
 
 - B_t: the bytes each message of t carries (every rank sends at most one message
@@ -19,7 +19,12 @@ a message of M bytes, profile p:
   every device sends costs mu more, one in which one device sends mu / N. On
   the 2-process CPU testbed this term is what makes a binomial tree (few
   messages per step) beat recursive doubling (every device, every step);
-  0 in the accelerator presets.
+  0 in the accelerator presets. nu * B_t * K_t / N is the same for bytes: where
+  devices share the CPUs that move them (gloo over TCP, 2 cores for 8 devices)
+  the bytes of all devices together set the time, not the busiest device's. On
+  the emulated two-node cluster at 1 Gbit/s this is why the hierarchical
+  all-reduce (the same 1.75 M a device through TCP as a ring, in fewer, larger
+  steps on the fast axis) is no faster than the ring.
 - L_s: the most bytes a device touches locally in step s (the chunks it copies
   out to send, writes back on receipt, and combines); U_s the whole buffer's
   bytes when the executor unrolls step s (outside a ``fori_loop`` XLA copies
@@ -149,7 +154,7 @@ def predict(sched: Schedule, profile: Profile, axis_names: Sequence[str],
   sent = ld.chunks * np.where(ld.reduce, partial_sum_scale, 1.0) * chunk        # [T]
   wire = np.where(ld.crosses, alpha + beta * sent[:, None], 0.0).max(axis=1, initial=0.0)
   buffer = ld.buffer_chunks * chunk
-  per_transfer = (wire + profile.mu * ld.messages / sched.axis_size
+  per_transfer = (wire + (profile.mu + profile.nu * sent) * ld.messages / sched.axis_size
                   + profile.delta * buffer * ld.moving)
   fresh = profile.fresh * fresh_bytes(ld, sent, buffer, profile.fresh_threshold)
   return float(profile.overhead + per_transfer.sum() + fresh
@@ -159,20 +164,21 @@ def predict(sched: Schedule, profile: Profile, axis_names: Sequence[str],
 def features(sched: Schedule, axis_sizes: Sequence[int], nbytes: float,
              fresh_threshold: float) -> np.ndarray:
   """:func:`predict` as a linear function of the profile: the row ``f`` with
-  ``predict = f @ [overhead, (alpha_a, beta_a) per axis ..., mu, delta, fresh, gamma]``,
+  ``predict = f @ [overhead, (alpha_a, beta_a) per axis ..., mu, nu, delta, fresh, gamma]``,
   each transfer charged to the outermost axis it crosses (the max over axes of ``predict``
   wherever that axis is the slowest, as on meshes ordered slowest first)."""
   ld = loads(sched, tuple(axis_sizes))
   chunk = nbytes / sched.message_chunks
   k = len(axis_sizes)
-  row = np.zeros(2 * k + 5)
+  row = np.zeros(2 * k + 6)
   row[0] = 1.0
   for t in np.flatnonzero(ld.moving):
     a = ld.outermost[t]
     row[1 + 2 * a] += 1.0
     row[2 + 2 * a] += ld.chunks[t] * chunk
   buffer = ld.buffer_chunks * chunk
-  row[-4] = ld.messages.sum() / sched.axis_size
+  row[-5] = ld.messages.sum() / sched.axis_size
+  row[-4] = (ld.messages * ld.chunks).sum() * chunk / sched.axis_size
   row[-3] = buffer * ld.moving.sum()
   row[-2] = fresh_bytes(ld, ld.chunks * chunk, buffer, fresh_threshold)
   row[-1] = ld.touched.sum() * chunk

@@ -65,8 +65,11 @@ class Candidate:
   schedule: object = None   # None for native
 
 
-def profile_in_use(profile: Profile | None = None) -> Profile:
-  """``profile``, else the configured one, else the preset of the default backend."""
+def profile_in_use(profile: Profile | str | None = None) -> Profile:
+  """``profile`` (a preset's name too), else the configured one, else the preset of the
+  default backend."""
+  if isinstance(profile, str):
+    return Profile.preset(profile)
   if profile is not None:
     return profile
   if config_lib.current().profile is not None:

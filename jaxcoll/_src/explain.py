@@ -61,7 +61,7 @@ class Explanation:
     return self.table().__rich__()
 
 
-def explain(primitive: str, x, mesh, axis_name, profile: Profile | None = None, *,
+def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = None, *,
             accumulate_dtype=None) -> Explanation:
   """Prices every algorithm of ``primitive`` for ``x`` on ``mesh``'s ``axis_name``.
 
@@ -72,7 +72,8 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | None = None, 
       For all_gather, M is the gathered output (N times x).
     mesh: a ``jax.sharding.Mesh`` (or abstract mesh) with the axes.
     axis_name: a mesh axis or a tuple of them.
-    profile: the profile to price with (default: the one "auto" uses).
+    profile: the profile (or a preset's name) to price with (default: the one "auto"
+      uses).
     accumulate_dtype: as the collective's argument (float32 partial sums).
 
   Returns:

@@ -120,6 +120,9 @@ class Profile:
     mu: seconds of per-message work in a ppermute in which every device sends
       (``mu * messages / devices``): what devices sharing CPUs or a NIC do one
       after another. 0 where every device has its own engine.
+    nu: seconds per byte of every device's messages in a ppermute, over the devices
+      (``nu * bytes * messages / devices``): bytes that devices sharing CPUs move
+      one after another (TCP through the same cores). 0 where links are separate.
     fresh: seconds per byte of the buffers of at least ``fresh_threshold`` bytes a
       schedule makes anew (received messages, unrolled steps' copies): the first
       touch of fresh pages, on the CPU above glibc's mmap threshold.
@@ -133,6 +136,7 @@ class Profile:
   overhead: float = 0.0
   delta: float = 0.0
   mu: float = 0.0
+  nu: float = 0.0
   fresh: float = 0.0
   fresh_threshold: float = float(32 << 20)
   native: tuple[NativeTimes, ...] = ()
@@ -141,7 +145,7 @@ class Profile:
   def __post_init__(self):
     object.__setattr__(self, "links", _frozen_links(self.links))
     object.__setattr__(self, "native", tuple(self.native))
-    for field in ("gamma", "overhead", "delta", "mu", "fresh", "fresh_threshold"):
+    for field in ("gamma", "overhead", "delta", "mu", "nu", "fresh", "fresh_threshold"):
       v = getattr(self, field)
       if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
         raise ValueError(f"Profile {field}={v!r} must be a finite number >= 0")
@@ -170,6 +174,7 @@ class Profile:
     links = ", ".join(f"{a}: alpha {link.alpha * 1e6:.0f} us, beta {link.beta * 1e9:.3f} ns/B"
                       for a, link in self.links)
     return (f"{links}; overhead {self.overhead * 1e6:.0f} us, mu {self.mu * 1e6:.0f} us, "
+            f"nu {self.nu * 1e9:.3f} ns/B, "
             f"gamma {self.gamma * 1e9:.3f} ns/B, delta {self.delta * 1e9:.3f} ns/B, "
             f"fresh {self.fresh * 1e9:.3f} ns/B")
 
@@ -186,7 +191,7 @@ class Profile:
 
   def to_json(self) -> dict:
     return {"name": self.name, "gamma": self.gamma, "overhead": self.overhead,
-            "delta": self.delta, "mu": self.mu, "fresh": self.fresh,
+            "delta": self.delta, "mu": self.mu, "nu": self.nu, "fresh": self.fresh,
             "fresh_threshold": self.fresh_threshold,
             "links": {a: dataclasses.asdict(link) for a, link in self.links},
             "native": [dataclasses.asdict(t) for t in self.native]}
@@ -195,7 +200,7 @@ class Profile:
   def from_json(cls, data: dict) -> Profile:
     return cls(links={a: Link(**v) for a, v in data.get("links", {}).items()},
                gamma=data.get("gamma", 0.0), overhead=data.get("overhead", 0.0),
-               delta=data.get("delta", 0.0), mu=data.get("mu", 0.0),
+               delta=data.get("delta", 0.0), mu=data.get("mu", 0.0), nu=data.get("nu", 0.0),
                fresh=data.get("fresh", 0.0),
                fresh_threshold=data.get("fresh_threshold", float(32 << 20)),
                native=tuple(NativeTimes(t["primitive"], tuple(t["axis_sizes"]), tuple(t["sizes"]),
