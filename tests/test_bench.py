@@ -60,3 +60,19 @@ def test_cli_errors_name_the_argument():
     bench.main(["--op", "psum"])
   with pytest.raises(SystemExit, match="--mesh 3x3 needs 9 devices"):
     bench.main(["--mesh", "3x3", "--axes", "a,b"])
+
+
+def test_interleaved_rounds_rotate_and_stretch_to_min_seconds():
+  import time
+
+  from jaxcoll._src import timing
+  log = []
+  calls = [lambda i=i: (log.append(i), time.sleep(0.002)) for i in range(3)]
+  times = timing.interleaved(calls, reps=2, warmup=2)
+  assert [len(t) for t in times] == [2, 2, 2]
+  assert log[9:] == [0, 1, 2, 1, 2, 0]   # 2 warm-ups and 1 probe each, then rotated rounds
+  assert all(t >= 0.002 for ts in times for t in ts)
+  times = timing.interleaved(calls, reps=2, min_seconds=0.1, warmup=1)
+  assert 2 < len(times[0]) <= 60         # ~6 ms a round: about 17 rounds make 0.1 s
+  with pytest.raises(ValueError, match="reps=0"):
+    timing.interleaved(calls, reps=0)
