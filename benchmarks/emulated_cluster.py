@@ -88,7 +88,7 @@ def link_bytes(op: str, algorithm: str, nbytes: int) -> float:
   name = algorithm.split(" -> ")[-1]
   options = {}
   if name.startswith("hierarchical"):
-    m = re.fullmatch(r"hierarchical\((.*?)(?:; pieces (.*))?\)", name) or None
+    m = re.fullmatch(r"hierarchical\((.*?)(?:; pieces (.*))?\)", name)
     stages = tuple(m.group(1).split(",")) if m else None
     pieces = tuple(int(p) for p in m.group(2).split(",")) if m and m.group(2) else None
     options = {"axis_sizes": (2, 4), "per_axis": stages}
