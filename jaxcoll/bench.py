@@ -73,13 +73,6 @@ def size_sweep(begin: int, end: int, factor: float, step: int = 0) -> list[int]:
   return out
 
 
-def fmt_bytes(b: float) -> str:
-  for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-    if b >= size:
-      return f"{b / size:g} {unit}"
-  return f"{b:g} B"
-
-
 @dataclasses.dataclass(frozen=True)
 class Row:
   """One measurement: an algorithm at a size."""
