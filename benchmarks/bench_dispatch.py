@@ -79,14 +79,14 @@ def child(args) -> int:
   spec = P(axes)
   sharding = NamedSharding(mesh, spec)
   flat = list(jaxcoll.algorithms(args.primitive, num_axes=1))
-  default_stages = ("direct" if args.primitive == "all_to_all" else "ring",) * 2
   picks, median, predicted = {}, {}, {}
   for s in sizes:
     weighed = dispatch.candidates(args.primitive, axes, (2, 4), s, profile)
     pick = picks[s] = dispatch.pick(weighed)
-    stages = dict(pick.options)["per_axis"] if pick.algorithm == "hierarchical" else default_stages
+    hier = (jaxcoll.Hierarchical(dict(pick.options)["per_axis"])
+            if pick.algorithm == "hierarchical" else jaxcoll.Hierarchical())
     algos = {a: a for a in flat if a != "hierarchical"}
-    algos[f"hierarchical({','.join(stages)})"] = jaxcoll.Hierarchical(stages)
+    algos[hier.label(args.primitive, len(axes))] = hier
     predicted.update({(s, c.label): c.predicted_s for c in weighed if c.label in algos})
     calls = []
     for algo in algos.values():

@@ -41,12 +41,11 @@ from jax.sharding import PartitionSpec as P
 from jaxcoll._src import cost, timing
 from jaxcoll._src.algorithms import schedule
 from jaxcoll._src.collectives import flat_call
-from jaxcoll._src.profile import Link, NativeTimes, Profile
+from jaxcoll._src.profile import FRESH_THRESHOLD, Link, NativeTimes, Profile
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 NATIVE_PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
                      "reduce")
-FRESH_THRESHOLD = float(32 << 20)
 FIT_ALGORITHMS = (("all_reduce", "ring"), ("all_reduce", "recursive_doubling"),
                   ("all_reduce", "halving_doubling"), ("all_reduce", "binomial_tree"),
                   ("all_gather", "ring"), ("all_to_all", "direct"), ("all_to_all", "bruck"))

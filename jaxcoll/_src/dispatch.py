@@ -24,6 +24,7 @@ import jax
 from jaxcoll._src import config as config_lib
 from jaxcoll._src import cost
 from jaxcoll._src.algorithms import HIERARCHICAL, NATIVE, check_algorithm
+from jaxcoll._src.algorithms.hierarchical import DEFAULT_STAGE
 from jaxcoll._src.profile import Profile
 
 NATIVE_MARGIN = 1.25
@@ -48,7 +49,7 @@ class Hierarchical:
 
   def label(self, primitive: str, num_axes: int) -> str:
     """The name explain and the benchmarks give it: ``hierarchical(ring,ring)``."""
-    default = "direct" if primitive == "all_to_all" else "ring"
+    default = DEFAULT_STAGE.get(primitive, "ring")
     stages = ",".join(a or default for a in (self.per_axis or (None,) * num_axes))
     cut = f"; pieces {','.join(map(str, self.pieces))}" if self.pieces else ""
     return f"{HIERARCHICAL}({stages}{cut})"

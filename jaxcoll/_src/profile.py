@@ -4,14 +4,14 @@ A :class:`Link` prices one ppermute step over a mesh axis with the alpha-beta
 model: ``alpha + beta * bytes`` (bytes: the most any device sends over that
 axis in the step). A :class:`Profile` maps axis names to links (``"*"``: every
 axis not named), adds ``gamma`` (seconds per byte a device combines locally),
-``overhead`` (seconds per collective call, paid once), ``mu`` (seconds of per-
-message work a ppermute costs when every device sends; devices that share CPUs
-do it one after another), ``delta`` (seconds per buffer byte per ppermute),
-``fresh`` (seconds per byte of buffers of at least ``fresh_threshold`` bytes
-made anew: page faults), and optionally measured times of the jax.lax
-collectives (``native``), which :func:`jaxcoll.calibrate` records. The formula
-that uses them is in :mod:`jaxcoll._src.cost`. Profiles are frozen, hashable,
-and saved and loaded as JSON.
+``overhead`` (seconds per collective call, paid once), ``mu`` and ``nu``
+(seconds of per-message and per-byte work a ppermute costs when every device
+sends; devices that share CPUs do it one after another), ``delta`` (seconds per
+buffer byte per ppermute), ``fresh`` (seconds per byte of buffers of at least
+``fresh_threshold`` bytes made anew: page faults), and optionally measured
+times of the jax.lax collectives (``native``), which :func:`jaxcoll.calibrate`
+records. The formula that uses them is in :mod:`jaxcoll._src.cost`. Profiles
+are frozen, hashable, and saved and loaded as JSON.
 
 Presets (``Profile.preset(name)``): per-direction link rates from vendor data
 sheets, alpha an estimate of one XLA collective-permute step (launch plus wire
@@ -48,6 +48,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 ANY_AXIS = "*"
+FRESH_THRESHOLD = float(32 << 20)   # glibc's largest mmap threshold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +139,7 @@ class Profile:
   mu: float = 0.0
   nu: float = 0.0
   fresh: float = 0.0
-  fresh_threshold: float = float(32 << 20)
+  fresh_threshold: float = FRESH_THRESHOLD
   native: tuple[NativeTimes, ...] = ()
   name: str = ""
 
@@ -202,7 +203,7 @@ class Profile:
                gamma=data.get("gamma", 0.0), overhead=data.get("overhead", 0.0),
                delta=data.get("delta", 0.0), mu=data.get("mu", 0.0), nu=data.get("nu", 0.0),
                fresh=data.get("fresh", 0.0),
-               fresh_threshold=data.get("fresh_threshold", float(32 << 20)),
+               fresh_threshold=data.get("fresh_threshold", FRESH_THRESHOLD),
                native=tuple(NativeTimes(t["primitive"], tuple(t["axis_sizes"]), tuple(t["sizes"]),
                                         tuple(t["seconds"])) for t in data.get("native", ())),
                name=data.get("name", ""))
