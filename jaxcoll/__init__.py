@@ -1,6 +1,6 @@
 """jaxcoll: custom collective communication for JAX, built from ppermute schedules."""
 
-from jaxcoll import distributed
+from jaxcoll import distributed, kernels
 from jaxcoll._src.algorithms import algorithms, schedule
 from jaxcoll._src.calibrate import calibrate
 from jaxcoll._src.collectives import (
@@ -18,11 +18,13 @@ from jaxcoll._src.explain import Explanation, explain
 from jaxcoll._src.profile import Link, NativeTimes, Profile
 from jaxcoll._src.schedule import PRIMITIVES, AxisTraffic, Schedule, Step, Transfer
 from jaxcoll._src.table import Table
+from jaxcoll._src.wire import WIRE_DTYPES, WireFormat
 
 __version__ = "0.1.0"
 
 __all__ = (
     "PRIMITIVES",
+    "WIRE_DTYPES",
     "AxisTraffic",
     "Explanation",
     "Hierarchical",
@@ -33,6 +35,7 @@ __all__ = (
     "Step",
     "Table",
     "Transfer",
+    "WireFormat",
     "algorithms",
     "all_gather",
     "all_reduce",
@@ -42,6 +45,7 @@ __all__ = (
     "config",
     "distributed",
     "explain",
+    "kernels",
     "reduce",
     "reduce_scatter",
     "schedule",

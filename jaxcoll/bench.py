@@ -88,12 +88,13 @@ class Row:
   wrong: int | None    # None without --check
   predicted_us: float | None
   rounds: int
+  rel_err: float | None = None   # --check with --wire: max |y - native| / max |native|
 
 
 def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", *,
         mesh=None, axes: Sequence[str] | None = None, dtype="float32", iters: int = 20,
         warmup: int = 5, check: bool = False, profile=None, min_seconds: float = 0.0,
-        progress: bool = False) -> list[Row]:
+        progress: bool = False, wire: Sequence[str] = ()) -> list[Row]:
   """Measures ``op`` at every size with every algorithm; returns one :class:`Row` each.
 
   Args:
@@ -112,6 +113,10 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
       every row gets its predicted time.
     min_seconds: more rounds per size until they have taken this long.
     progress: a progress bar on stderr (process 0, tqdm when installed).
+    wire: compressed wire formats (all_reduce, reduce_scatter, all_gather): every
+      scheduled algorithm also runs with each, labelled ``ring [int8]``. The
+      inputs are then standard normal (not small integers), and ``check`` records
+      each row's largest error relative to the native result's largest magnitude.
   """
   import jax
   import numpy as np
@@ -145,6 +150,8 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
     elif a != "auto" and a not in valid:
       raise ValueError(f"--algorithm {a!r} does not run {op} over {len(axes)} axis(es); "
                        f"expected 'auto', 'all' or some of {valid}")
+  if wire and op not in ("all_reduce", "reduce_scatter", "all_gather"):
+    raise ValueError(f"--wire compresses all_reduce, reduce_scatter and all_gather, not {op}")
   dt = np.dtype(dtype)
   spec = P(mesh.axis_names)
   sharding = NamedSharding(mesh, spec)
@@ -165,12 +172,14 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
       unit = n * dt.itemsize
       nbytes = max(unit, size // unit * unit)
       count = nbytes // dt.itemsize // (n if op == "all_gather" else 1)
-      # small integers, different on every device: every algorithm's result is exact
-      host = (np.arange(devices * count).reshape(devices, count) % 7
-              + np.arange(devices)[:, None] % 3).astype(dt)
+      if wire:   # compression errs on every value; small integers would hide that
+        host = np.random.default_rng(size).standard_normal((devices, count)).astype(dt)
+      else:   # small integers, different on every device: every algorithm's result is exact
+        host = (np.arange(devices * count).reshape(devices, count) % 7
+                + np.arange(devices)[:, None] % 3).astype(dt)
       x = jax.device_put(host, sharding)
       candidates = dispatch.candidates(op, axes, axis_sizes, nbytes, prof)
-      keys, labels = [], []   # what each entry runs (as candidates name it), and its row label
+      keys, labels, runs = [], [], {}   # what each row runs: (candidate label, wire)
       for a in algorithms:
         key = label = a
         if a == "auto":
@@ -180,32 +189,35 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
           key = dispatch.Hierarchical().label(op, len(axes))
         elif isinstance(a, jaxcoll.Hierarchical):
           key = label = a.label(op, len(axes))
-        keys.append(key)
-        labels.append(label)
-      # one program per distinct key: auto's pick is the same program as that algorithm's
-      runs = {}
-      for k, a in zip(keys, algorithms):
-        runs.setdefault(k, a)
-      fns = {k: jax.jit(jax.shard_map(lambda v, a=a: flat_call(op, v[0], axis_arg, a)[None],
-                                      mesh=mesh, in_specs=spec, out_specs=spec))
-             for k, a in runs.items()}
+        for w in (None, *(wire if a not in ("auto", "native") else ())):
+          keys.append((key, w))
+          labels.append(label if w is None else f"{label} [{w}]")
+          runs.setdefault((key, w), a)   # auto's pick is the same program as that algorithm's
+      fns = {k: jax.jit(jax.shard_map(
+          lambda v, a=a, w=k[1]: flat_call(op, v[0], axis_arg, a, wire_dtype=w)[None],
+          mesh=mesh, in_specs=spec, out_specs=spec)) for k, a in runs.items()}
       times = dict(zip(fns, timing.interleaved(
           [lambda f=f, x=x: f(x).block_until_ready() for f in fns.values()],
           reps=iters, warmup=warmup, min_seconds=min_seconds)))
-      wrong = dict.fromkeys(fns)
+      wrong, errors = dict.fromkeys(fns), dict.fromkeys(fns)
       if check:
         native = jax.jit(jax.shard_map(lambda v: flat_call(op, v[0], axis_arg, "native")[None],
                                        mesh=mesh, in_specs=spec, out_specs=spec))
         want = _local(native(x))
-        wrong = {k: _count_wrong(_local(f(x)), want) for k, f in fns.items()}
+        for k, f in fns.items():
+          if wire:
+            errors[k] = _relative_error(_local(f(x)), want)
+          else:
+            wrong[k] = _count_wrong(_local(f(x)), want)
       weighed = {c.label: c.predicted_s for c in candidates}
       for key, label in zip(keys, labels):
         med = statistics.median(times[key])
         algbw = nbytes / med / 1e9
-        predicted = weighed.get(key) if profile is not None else None
+        predicted = weighed.get(key[0]) if profile is not None and key[1] is None else None
         rows.append(Row(op, nbytes, int(count), dt.name, label, med * 1e6, algbw,
                         algbw * BUS_FACTOR[op](n), wrong[key],
-                        None if predicted is None else predicted * 1e6, len(times[key])))
+                        None if predicted is None else predicted * 1e6, len(times[key]),
+                        errors[key]))
       if bar is not None:
         bar.update()
   if bar is not None:
@@ -230,17 +242,37 @@ def _count_wrong(got, want) -> int:
   return int(np.sum(multihost_utils.process_allgather(np.int64(mine))))
 
 
+def _relative_error(got, want) -> float:
+  """max |got - want| / max |want|, over every process's shards."""
+  import jax
+  import numpy as np
+  err = max(float(np.max(np.abs(g.astype(np.float64) - w))) for g, w in zip(got, want))
+  top = max(float(np.max(np.abs(w.astype(np.float64)))) for w in want)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    err, top = (float(np.max(multihost_utils.process_allgather(np.float64(v))))
+                for v in (err, top))
+  return err / top if top else err
+
+
 # ------------------------------------------------------------------ output
 
 HEADERS = ("size", "count", "type", "algorithm", "time (us)", "algbw (GB/s)", "busbw (GB/s)",
-           "#wrong", "predicted (us)")
+           "vs native", "#wrong", "rel err", "predicted (us)")
 
 
 def table(rows: Sequence[Row], title: str = ""):
+  """The rows as a table; "vs native": time over the native row's of the same op and size."""
   from jaxcoll._src.table import Table
-  cells = [(r.size, r.count, r.dtype, r.algorithm, f"{r.time_us:.1f}", f"{r.algbw_gbs:.3f}",
-            f"{r.busbw_gbs:.3f}", "-" if r.wrong is None else r.wrong,
-            "-" if r.predicted_us is None else f"{r.predicted_us:.1f}") for r in rows]
+  native = {(r.op, r.size): r.time_us for r in rows if r.algorithm == "native"}
+  cells = []
+  for r in rows:
+    ratio = native.get((r.op, r.size))
+    cells.append((r.size, r.count, r.dtype, r.algorithm, f"{r.time_us:.1f}", f"{r.algbw_gbs:.3f}",
+                  f"{r.busbw_gbs:.3f}", "-" if ratio is None else f"{r.time_us / ratio:.2f}",
+                  "-" if r.wrong is None else r.wrong,
+                  "-" if r.rel_err is None else f"{r.rel_err:.1e}",
+                  "-" if r.predicted_us is None else f"{r.predicted_us:.1f}"))
   return Table.of(title, HEADERS, cells)
 
 
@@ -305,6 +337,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up calls (default 5)")
   p.add_argument("--min-seconds", type=float, default=0.0,
                  help="more rounds per size until they take this long")
+  p.add_argument("--wire", default=None, metavar="W[,W...]",
+                 help="also run each scheduled algorithm with these compressed wire formats "
+                      "(bfloat16, float8_e4m3fn, float8_e5m2, int8)")
   p.add_argument("-c", "--check", action="store_true",
                  help="count elements that differ from the native collective's result")
   p.add_argument("--mesh", default=None, help="mesh shape, e.g. 2x4 (default: all devices)")
@@ -386,7 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       rows += run(op, sizes, chosen, mesh=mesh, axes=over, dtype=args.dtype,
                   iters=args.iters, warmup=args.warmup_iters, check=args.check,
                   profile=profile, min_seconds=args.min_seconds,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress,
+                  wire=tuple(w.strip() for w in args.wire.split(",")) if args.wire else ())
     except ValueError as e:
       raise SystemExit(str(e)) from e
   if not main_process:

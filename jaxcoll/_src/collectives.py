@@ -19,7 +19,9 @@ import numpy as np
 from jax import lax
 
 from jaxcoll._src import axes as axes_lib
+from jaxcoll._src import config as config_lib
 from jaxcoll._src import dispatch, layout, ops
+from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.algorithms import NATIVE, schedule
 from jaxcoll._src.executor import execute
 from jaxcoll._src.replicated import check_vma_enabled, make_varying, mark_invariant
@@ -55,18 +57,57 @@ def _replicated(y, axes):
   return mark_invariant(y, axes) if check_vma_enabled(axes) else y
 
 
-def _resolve(primitive, algorithm, axes, nbytes, accumulate=None, dtype=None):
+def _resolve(primitive, algorithm, axes, nbytes, accumulate=None, dtype=None, wire=None):
   scale = 1.0 if accumulate is None else np.dtype(accumulate).itemsize / np.dtype(dtype).itemsize
-  return dispatch.resolve(primitive, algorithm, axis_names=axes, axis_sizes=axes_lib.sizes(axes),
-                          nbytes=nbytes, partial_sum_scale=scale)
+  sizes = axes_lib.sizes(axes)
+  compressed = wire is not None and np.prod(sizes) > 1
+  algo, options = dispatch.resolve(
+      primitive, algorithm, axis_names=axes, axis_sizes=sizes,
+      nbytes=nbytes * wire.ratio(dtype) if compressed else nbytes,
+      partial_sum_scale=scale, native_allowed=not compressed)
+  if compressed and algo == NATIVE:
+    raise ValueError(f"algorithm={NATIVE!r} (the jax.lax collective) cannot send "
+                     f"wire_dtype={wire.name!r}; use a schedule, e.g. 'ring', or 'auto'")
+  return algo, options
+
+
+def _wire(wire_dtype, dtype, wire_block_size, accumulate):
+  fmt = wire_lib.wire_format(wire_dtype, dtype, wire_block_size)
+  if fmt is not None and accumulate is not None and np.dtype(accumulate) != np.float32:
+    raise ValueError(f"wire_dtype={fmt.name!r} accumulates in float32; "
+                     f"accumulate_dtype={np.dtype(accumulate).name} conflicts with it")
+  return fmt
+
+
+def _straight_through(fn, x, wire, *, linear: bool):
+  """``fn(x, wire)``, differentiated as ``fn(x, None)``: compression is invisible to
+  gradients (straight-through), which flow as through the uncompressed collective."""
+  if wire is None:
+    return fn(x, None)
+
+  @jax.custom_jvp
+  def compressed(x):
+    return fn(x, wire)
+
+  @compressed.defjvp
+  def _(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    if linear:
+      return compressed(x), fn(dx, None)
+    return compressed(x), jax.jvp(lambda v: fn(v, None), (x,), (dx,))[1]
+
+  return compressed(x)
 
 
 def _run(primitive, algorithm, n, flat, axes, *, op="sum", root=0, accumulate=None,
-         options=None):
+         options=None, wire=None):
   """Runs ``algorithm``'s schedule on one rank's flat buffer; returns the final rows."""
   sched = schedule(primitive, algorithm, n, root=root, **(options or {}))
+  if wire is not None:
+    accumulate = jnp.promote_types(flat.dtype, jnp.float32)
   work = flat if accumulate is None else flat.astype(accumulate)
-  rows = make_varying(layout.to_rows(jnp, work, sched), axes)
+  multiple = 1 if wire is None else wire.row_multiple(layout.row_length(sched, work.shape[0]))
+  rows = make_varying(layout.to_rows(jnp, work, sched, multiple=multiple), axes)
   b, rank = sched.blocks_per_rank, lax.axis_index(axes)
   if primitive == "all_gather":
     piece = layout.block(jnp, work, sched, rows.shape[1])
@@ -74,7 +115,8 @@ def _run(primitive, algorithm, n, flat, axes, *, op="sum", root=0, accumulate=No
   if primitive == "all_to_all":
     own = lax.dynamic_slice_in_dim(rows, rank * b, b, axis=0)
     rows = lax.dynamic_update_slice_in_dim(rows, own, layout.output_start(sched) + rank * b, 0)
-  rows = execute(sched, rows, axes, op=op,
+  fused = config_lib.use_fused_kernel(rows.shape[1] * rows.dtype.itemsize, rows.dtype)
+  rows = execute(sched, rows, axes, op=op, wire=wire, fused=fused,
                  copy_dtype=None if accumulate is None else flat.dtype)
   return sched, rows
 
@@ -85,7 +127,8 @@ def _map_leaves(fn, x):
 
 
 def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
-               accumulate_dtype=None):
+               accumulate_dtype=None, wire_dtype=None,
+               wire_block_size: int = wire_lib.DEFAULT_BLOCK_SIZE):
   """Reduces x over ``axis_name``; every device gets the result (like ``lax.psum``).
 
   Args:
@@ -98,10 +141,19 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
       combine in this dtype and are rounded once at the end (reduce steps send
       itemsize(accumulate)/itemsize(x) times the bytes). None: each combine
       computes in float32 and rounds to x's dtype (NCCL's behaviour).
+    wire_dtype: compress every message: "bfloat16", "float8_e4m3fn",
+      "float8_e5m2" or "int8" (block-scaled, one power-of-two exponent per
+      ``wire_block_size`` values); partial sums accumulate in float32 and are
+      re-encoded before each send. Replicas stay bit-identical; each encode errs
+      by at most ``WireFormat.relative_error`` times its block's largest
+      magnitude. Gradients are those of the uncompressed collective. x's own
+      dtype (or None) sends x uncompressed; "native" cannot compress.
+    wire_block_size: values per shared exponent (a power of two).
 
   Returns:
     The reduction, typed invariant over ``axis_name``. Cost (ring): 2(N-1)
-    steps, 2(N-1)/N * M bytes per device; see each algorithm's schedule.
+    steps, 2(N-1)/N * M bytes per device (times ``WireFormat.ratio`` when
+    compressed); see each algorithm's schedule.
   """
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
@@ -109,27 +161,33 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
   def leaf(x):
     x = _prepare(x, op)
     acc = _check_accumulate(accumulate_dtype, x.dtype)
-    algo, options = _resolve("all_reduce", algorithm, axes, x.nbytes, acc, x.dtype)
+    fmt = _wire(wire_dtype, x.dtype, wire_block_size, acc)
+    algo, options = _resolve("all_reduce", algorithm, axes, x.nbytes, acc, x.dtype, fmt)
     if algo == NATIVE:
       if op == "prod":
         return _replicated(jnp.prod(lax.all_gather(x, axes), axis=0, dtype=x.dtype), axes)
       return _NATIVE_REDUCE[op](x, axes)
-    x = make_varying(x, axes)
-    sched, rows = _run("all_reduce", algo, n, x.reshape(-1), axes, op=op, accumulate=acc,
-                       options=options)
-    y = layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape).astype(x.dtype)
-    return _replicated(_finish_mean(y, op, n), axes)
+
+    def run(x, wire):
+      x = make_varying(x, axes)
+      sched, rows = _run("all_reduce", algo, n, x.reshape(-1), axes, op=op, accumulate=acc,
+                         options=options, wire=wire)
+      y = layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape).astype(x.dtype)
+      return _replicated(_finish_mean(y, op, n), axes)
+    return _straight_through(run, x, fmt, linear=op in ("sum", "mean"))
 
   return _map_leaves(leaf, x)
 
 
 def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False,
-                   op: str = "sum", algorithm: str = "auto", accumulate_dtype=None):
+                   op: str = "sum", algorithm: str = "auto", accumulate_dtype=None,
+                   wire_dtype=None, wire_block_size: int = wire_lib.DEFAULT_BLOCK_SIZE):
   """Reduces x over ``axis_name`` and scatters the result (like ``lax.psum_scatter``).
 
   Device r gets block r of the reduction along ``scatter_dimension``: with
   ``tiled=False`` that dimension must equal N and is removed; with
-  ``tiled=True`` it must be divisible by N and shrinks N-fold.
+  ``tiled=True`` it must be divisible by N and shrinks N-fold. ``wire_dtype``
+  and ``wire_block_size`` compress the partial sums as in :func:`all_reduce`.
   Cost (ring): N-1 steps, (N-1)/N * M bytes per device (M = the input).
   """
   axes = axes_lib.normalize(axis_name)
@@ -141,7 +199,8 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
     d = _normalize_dim(scatter_dimension, x.ndim, "scatter_dimension")
     extent = x.shape[d]
     _check_split(extent, n, tiled, f"scatter_dimension={scatter_dimension}: x.shape[{d}]")
-    algo, options = _resolve("reduce_scatter", algorithm, axes, x.nbytes, acc, x.dtype)
+    fmt = _wire(wire_dtype, x.dtype, wire_block_size, acc)
+    algo, options = _resolve("reduce_scatter", algorithm, axes, x.nbytes, acc, x.dtype, fmt)
     if algo == NATIVE:
       if op in ("sum", "mean"):
         y = lax.psum_scatter(x, axes, scatter_dimension=d, tiled=tiled)
@@ -149,27 +208,32 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
       full = all_reduce(x, axis_name, op=op, algorithm=NATIVE)
       y = lax.dynamic_slice_in_dim(full, lax.axis_index(axes) * (extent // n), extent // n, d)
       return y if tiled else jnp.squeeze(y, d)
-    x = make_varying(x, axes)
-    moved = jnp.moveaxis(x, d, 0)
-    sched, rows = _run("reduce_scatter", algo, n, moved.reshape(-1), axes, op=op,
-                       accumulate=acc, options=options)
-    b = sched.blocks_per_rank
-    mine = lax.dynamic_slice_in_dim(rows, lax.axis_index(axes) * b, b, axis=0)
-    y = layout.from_rows(jnp, mine, sched, moved.size).astype(x.dtype)
-    y = jnp.moveaxis(y.reshape((extent // n,) + moved.shape[1:]), 0, d)
-    return _finish_mean(y if tiled else jnp.squeeze(y, d), op, n)
+
+    def run(x, wire):
+      moved = jnp.moveaxis(make_varying(x, axes), d, 0)
+      sched, rows = _run("reduce_scatter", algo, n, moved.reshape(-1), axes, op=op,
+                         accumulate=acc, options=options, wire=wire)
+      b = sched.blocks_per_rank
+      mine = lax.dynamic_slice_in_dim(rows, lax.axis_index(axes) * b, b, axis=0)
+      y = layout.from_rows(jnp, mine, sched, moved.size).astype(x.dtype)
+      y = jnp.moveaxis(y.reshape((extent // n,) + moved.shape[1:]), 0, d)
+      return _finish_mean(y if tiled else jnp.squeeze(y, d), op, n)
+    return _straight_through(run, x, fmt, linear=op in ("sum", "mean"))
 
   return _map_leaves(leaf, x)
 
 
 def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: str = "auto",
-               to: str = "varying"):
+               to: str = "varying", wire_dtype=None,
+               wire_block_size: int = wire_lib.DEFAULT_BLOCK_SIZE):
   """Gathers x from every device along ``axis`` (like ``lax.all_gather``).
 
   ``tiled=False`` stacks the N pieces along a new dimension ``axis``;
   ``tiled=True`` concatenates them along the existing ``axis``. ``to`` is
   lax's: "varying" (default) or "invarying" (typed invariant, for
-  ``out_specs=P()``). Cost (ring): N-1 steps, (N-1)/N * M bytes per device
+  ``out_specs=P()``). ``wire_dtype`` sends every piece compressed as in
+  :func:`all_reduce` (each device's own piece comes back decoded too, so all
+  copies agree bit for bit). Cost (ring): N-1 steps, (N-1)/N * M bytes per device
   (M = the gathered output).
   """
   if to not in ("varying", "invarying", "invariant"):
@@ -185,16 +249,22 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: s
       a = _normalize_dim(axis, x.ndim, "axis")
     else:
       a = _normalize_dim(axis, x.ndim + 1, "axis")
-    algo, options = _resolve("all_gather", algorithm, axes, x.nbytes * n)
+    fmt = _wire(wire_dtype, x.dtype, wire_block_size, None)
+    algo, options = _resolve("all_gather", algorithm, axes, x.nbytes * n, dtype=x.dtype,
+                             wire=fmt)
     if algo == NATIVE:
       return lax.all_gather(x, axes, axis=a, tiled=tiled,
                             to="invarying" if to != "varying" else "varying")
-    sched, rows = _run("all_gather", algo, n, make_varying(x, axes).reshape(-1), axes,
-                       options=options)
-    y = jnp.moveaxis(layout.from_rows(jnp, rows, sched, x.size).reshape((n,) + x.shape), 0, a)
-    if tiled:
-      y = y.reshape(x.shape[:a] + (n * x.shape[a],) + x.shape[a + 1:])
-    return y if to == "varying" else _replicated(y, axes)
+
+    def run(x, wire):
+      sched, rows = _run("all_gather", algo, n, make_varying(x, axes).reshape(-1), axes,
+                         options=options, wire=wire)
+      y = layout.from_rows(jnp, rows, sched, x.size).reshape((n,) + x.shape).astype(x.dtype)
+      y = jnp.moveaxis(y, 0, a)
+      if tiled:
+        y = y.reshape(x.shape[:a] + (n * x.shape[a],) + x.shape[a + 1:])
+      return y if to == "varying" else _replicated(y, axes)
+    return _straight_through(run, x, fmt, linear=True)
 
   return _map_leaves(leaf, x)
 
@@ -331,18 +401,20 @@ def _normalize_dim(dim, ndim: int, argument: str) -> int:
   return int(dim) % ndim
 
 
-def flat_call(primitive: str, x, axis_name, algorithm="auto", *, root: int = 0):
+def flat_call(primitive: str, x, axis_name, algorithm="auto", *, root: int = 0,
+              wire_dtype=None):
   """``primitive`` on a flat per-device buffer ``x`` of M bytes (all_gather: the piece), with
   the layouts the schedules use: tiled reduce_scatter, all_gather and all_to_all along
   axis 0. What calibrate and the benchmarks time."""
+  wire = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
   if primitive == "all_to_all":
     return all_to_all(x, axis_name, 0, 0, tiled=True, algorithm=algorithm)
   if primitive in ("reduce_scatter", "all_gather"):
     fn = reduce_scatter if primitive == "reduce_scatter" else all_gather
-    return fn(x, axis_name, tiled=True, algorithm=algorithm)
+    return fn(x, axis_name, tiled=True, algorithm=algorithm, **wire)
   if primitive in ("broadcast", "reduce"):
     return (broadcast if primitive == "broadcast" else reduce)(x, axis_name, root=root,
                                                                algorithm=algorithm)
   if primitive == "shift":
     return shift(x, axis_name, algorithm=algorithm)
-  return all_reduce(x, axis_name, algorithm=algorithm)
+  return all_reduce(x, axis_name, algorithm=algorithm, **wire)

@@ -16,17 +16,23 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
+import jax
+import jax.numpy as jnp
+
 from jaxcoll._src.algorithms import check_algorithm
+from jaxcoll._src.fused_combine import COMPILED_BACKENDS
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.schedule import PRIMITIVES
 
 ENV_ALGORITHM = "JAXCOLL_ALGORITHM"
+FUSED_MIN_BYTES = 1 << 16   # "auto": smaller chunks stay in XLA's own fusion
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   algorithm: tuple[tuple[str, object], ...] = ()
   profile: Profile | None = None
+  fused_kernel: bool | str = "auto"
 
 
 _current = Config()
@@ -53,13 +59,21 @@ class config:  # noqa: N801 (used like a function: jaxcoll.config(...))
     algorithm: ``{primitive: algorithm}`` (a name or ``Hierarchical``) that
       "auto" resolves to for that primitive.
     profile: the :class:`Profile` (or a preset name) the cost model prices with.
+    fused_kernel: whether reduce steps run the Pallas kernel
+      (:func:`jaxcoll.kernels.fused_combine`): True (interpret mode where the
+      backend cannot compile it, as on CPU: slow, for tests), False (plain
+      jax.numpy, which XLA fuses), or "auto" (default: the kernel where the
+      backend compiles it and a chunk is at least ``FUSED_MIN_BYTES``).
 
   ``jaxcoll.config(profile=p)`` sets it from now on; ``with jaxcoll.config(...):``
   restores the previous configuration on exit. Unnamed fields keep their value.
   """
 
-  def __init__(self, *, algorithm: Mapping | None = None, profile: Profile | str | None = None):
+  def __init__(self, *, algorithm: Mapping | None = None, profile: Profile | str | None = None,
+               fused_kernel: bool | str | None = None):
     global _current
+    if fused_kernel not in (None, True, False, "auto"):
+      raise ValueError(f"config(fused_kernel={fused_kernel!r}): expected True, False or 'auto'")
     if algorithm is not None:
       if not isinstance(algorithm, Mapping):
         raise ValueError(f"config(algorithm={algorithm!r}): expected a mapping "
@@ -74,7 +88,8 @@ class config:  # noqa: N801 (used like a function: jaxcoll.config(...))
     merged = dict(_current.algorithm)
     merged.update(algorithm or {})
     _current = Config(tuple(sorted(merged.items())),
-                      profile if profile is not None else _current.profile)
+                      profile if profile is not None else _current.profile,
+                      fused_kernel if fused_kernel is not None else _current.fused_kernel)
 
   def __enter__(self):
     return self
@@ -97,6 +112,16 @@ def env_algorithms() -> dict[str, str]:
     _check_choice(primitive.strip(), algorithm.strip(), ENV_ALGORITHM)
     out[primitive.strip()] = algorithm.strip()
   return out
+
+
+def use_fused_kernel(chunk_bytes: int, dtype) -> bool:
+  """Whether a reduce step on chunks of ``chunk_bytes`` runs the Pallas kernel (see config)."""
+  if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+    return False
+  setting = _current.fused_kernel
+  if setting == "auto":
+    return jax.default_backend() in COMPILED_BACKENDS and chunk_bytes >= FUSED_MIN_BYTES
+  return bool(setting)
 
 
 def override(primitive: str):

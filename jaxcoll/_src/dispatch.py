@@ -90,18 +90,21 @@ def candidates(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[i
   return out
 
 
-def pick(weighed: Sequence[Candidate]) -> Candidate:
+def pick(weighed: Sequence[Candidate], *, native_allowed: bool = True) -> Candidate:
   """Of ``candidates()``' result (native first): the fastest predicted schedule if it beats
-  native by ``NATIVE_MARGIN``, else native."""
+  native by ``NATIVE_MARGIN`` (or native is not allowed: a compressed wire), else native."""
   native, *scheduled = weighed
   best = min(scheduled, key=lambda c: c.predicted_s, default=native)
-  return best if best.predicted_s * NATIVE_MARGIN < native.predicted_s else native
+  if not native_allowed or best.predicted_s * NATIVE_MARGIN < native.predicted_s:
+    return best
+  return native
 
 
-def choose(primitive, axis_names, axis_sizes, nbytes, profile, *, partial_sum_scale=1.0):
+def choose(primitive, axis_names, axis_sizes, nbytes, profile, *, partial_sum_scale=1.0,
+           native_allowed: bool = True):
   """The candidate auto picks (:func:`pick` of every candidate)."""
   return pick(candidates(primitive, axis_names, axis_sizes, nbytes, profile,
-                         partial_sum_scale=partial_sum_scale))
+                         partial_sum_scale=partial_sum_scale), native_allowed=native_allowed)
 
 
 def auto_label(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[int],
@@ -125,8 +128,9 @@ def auto_label(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[i
 
 def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],
             axis_sizes: tuple[int, ...], nbytes: int,
-            partial_sum_scale: float = 1.0) -> tuple[str, dict]:
-  """The concrete algorithm to run for one call and its schedule options."""
+            partial_sum_scale: float = 1.0, native_allowed: bool = True) -> tuple[str, dict]:
+  """The concrete algorithm to run for one call and its schedule options (auto picks among
+  the schedules only when not ``native_allowed``)."""
   if isinstance(algorithm, str) and algorithm == "auto":
     algorithm = config_lib.override(primitive) or "auto"
   per_axis = pieces = None
@@ -140,7 +144,7 @@ def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],
     if math.prod(axis_sizes) <= 1:
       return NATIVE, {}
     pick = choose(primitive, tuple(axis_names), tuple(axis_sizes), nbytes, profile_in_use(),
-                  partial_sum_scale=partial_sum_scale)
+                  partial_sum_scale=partial_sum_scale, native_allowed=native_allowed)
     return pick.algorithm, dict(pick.options)
   if algorithm == HIERARCHICAL:
     if len(axis_sizes) < 2:

@@ -37,9 +37,13 @@ from jax import lax
 
 from jaxcoll._src import axes as axes_lib
 from jaxcoll._src import ops
+from jaxcoll._src import wire as wire_lib
+from jaxcoll._src.fused_combine import fused_combine
 from jaxcoll._src.schedule import Schedule
+from jaxcoll._src.wire import WireFormat
 
 LOOP_MIN_STEPS = 2
+REPLICATED = ("all_reduce", "all_gather")   # results every rank must hold bit for bit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +117,8 @@ def _write(rows, index, value, contiguous: bool):
 
 
 def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
-            copy_dtype=None, loop_min_steps: int = LOOP_MIN_STEPS) -> jax.Array:
+            copy_dtype=None, wire: WireFormat | None = None, fused: bool = False,
+            loop_min_steps: int = LOOP_MIN_STEPS) -> jax.Array:
   """Runs ``schedule`` on this rank's ``rows`` (``[C, L]``) inside shard_map.
 
   Args:
@@ -124,6 +129,14 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
     op: the reduction op of reduce transfers.
     copy_dtype: dtype that copy transfers carry on the wire (the output dtype
       when ``rows`` hold float32 partial sums); None keeps ``rows.dtype``.
+    wire: a compressed wire format for every transfer (rows hold float32 and
+      their length is a multiple of ``wire.row_multiple``). Each sender encodes
+      what it sends and keeps the decoded value in its own rows, so sender and
+      receivers hold the same bits (symmetric exchanges too), and a replicated
+      result ends with one decode(encode(.)) pass, so ranks that computed a
+      value without sending it agree as well (see :mod:`jaxcoll._src.wire`).
+    fused: run reduce combines (and their decode) as the Pallas kernel
+      :func:`jaxcoll.kernels.fused_combine`.
     loop_min_steps: phases at least this long run as a ``fori_loop``.
 
   Returns:
@@ -139,18 +152,42 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
     rows = jnp.concatenate([rows, jnp.zeros((schedule.scratch_rows,) + rows.shape[1:],
                                             rows.dtype)])
 
+  def send(p: _TransferPlan, rows, index):
+    """(rows, message): the message to ppermute; with a wire format, the sender's rows
+    keep the decoded message."""
+    data = _read(rows, index, p, p.send_contiguous)
+    if wire is None:
+      cast = p.combine == "copy" and copy_dtype is not None
+      return rows, data.astype(copy_dtype) if cast else data
+    values, exponents = wire_lib.encode(wire, data)
+    senders = np.zeros(schedule.axis_size, bool)
+    senders[[s for s, _ in p.perm]] = True
+    kept = jnp.where(jnp.asarray(senders)[rank], wire_lib.decode(wire, values, exponents), data)
+    return _write(rows, index, kept.astype(rows.dtype), p.send_contiguous), wire_lib.pack(
+        wire, values, exponents)
+
+  def receive(p: _TransferPlan, rows, index, message):
+    exponents = None
+    if wire is not None:
+      message, exponents = wire_lib.unpack(wire, message, rows.shape[1])
+    if p.combine == "reduce":
+      old = _read(rows, index, p, p.recv_contiguous)
+      if fused:
+        data = fused_combine(old, message, op=op, recv_exponents=exponents)
+      else:
+        decoded = message if wire is None else wire_lib.decode(wire, message, exponents)
+        data = ops.combine(jnp, op, old, decoded)
+    else:
+      data = message if wire is None else wire_lib.decode(wire, message, exponents)
+    return _write(rows, index, data.astype(rows.dtype), p.recv_contiguous)
+
   def run_step(phase: _Phase, rows, t):
     received = []
     for p, table in zip(phase.transfers, phase.send):
-      data = _read(rows, jnp.asarray(table)[t, rank], p, p.send_contiguous)
-      if p.combine == "copy" and copy_dtype is not None:
-        data = data.astype(copy_dtype)
-      received.append(lax.ppermute(data, axis_name, axes_lib.ppermute_perm(axes, p.perm)))
-    for p, table, data in zip(phase.transfers, phase.recv, received):
-      index = jnp.asarray(table)[t, rank]
-      if p.combine == "reduce":
-        data = ops.combine(jnp, op, _read(rows, index, p, p.recv_contiguous), data)
-      rows = _write(rows, index, data.astype(rows.dtype), p.recv_contiguous)
+      rows, message = send(p, rows, jnp.asarray(table)[t, rank])
+      received.append(lax.ppermute(message, axis_name, axes_lib.ppermute_perm(axes, p.perm)))
+    for p, table, message in zip(phase.transfers, phase.recv, received):
+      rows = receive(p, rows, jnp.asarray(table)[t, rank], message)
     return rows
 
   for phase in plan(schedule):
@@ -160,4 +197,9 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
     else:
       for t in range(phase.num_steps):
         rows = run_step(phase, rows, t)
-  return rows[:schedule.num_chunks]
+  rows = rows[:schedule.num_chunks]
+  if wire is not None and schedule.primitive in REPLICATED:
+    # A rank that computed a final value but never sent it holds v where the others hold
+    # decode(encode(v)); one more pass (a fixed point for the rest) makes them agree.
+    rows = wire_lib.decode(wire, *wire_lib.encode(wire, rows)).astype(rows.dtype)
+  return rows

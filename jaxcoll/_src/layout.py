@@ -18,16 +18,19 @@ import math
 BLOCKED = ("reduce_scatter", "all_gather")
 
 
-def row_length(schedule, size: int) -> int:
-  """Elements per chunk for a message of ``size`` elements (the piece, for all_gather)."""
+def row_length(schedule, size: int, multiple: int = 1) -> int:
+  """Elements per chunk for a message of ``size`` elements (the piece, for all_gather),
+  rounded up to a multiple of ``multiple`` (the block of a compressed wire format)."""
   b = schedule.blocks_per_rank
   if schedule.primitive in ("reduce_scatter", "all_to_all"):
-    return math.ceil(size // schedule.axis_size / b)
-  if schedule.primitive == "shift":
-    return size
-  if schedule.primitive == "all_gather":
-    return math.ceil(size / b)
-  return math.ceil(size / schedule.num_chunks)
+    length = math.ceil(size // schedule.axis_size / b)
+  elif schedule.primitive == "shift":
+    length = size
+  elif schedule.primitive == "all_gather":
+    length = math.ceil(size / b)
+  else:
+    length = math.ceil(size / schedule.num_chunks)
+  return -(-length // multiple) * multiple
 
 
 def pad_to(xp, flat, length: int):
@@ -55,7 +58,7 @@ def output_start(schedule) -> int:
   return schedule.num_chunks - schedule.axis_size * schedule.blocks_per_rank
 
 
-def to_rows(xp, flat, schedule, rank: int | None = None):
+def to_rows(xp, flat, schedule, rank: int | None = None, multiple: int = 1):
   """The ``[C, L]`` starting buffer of one rank.
 
   all_gather and all_to_all also start with the rank's own block in its place
@@ -65,7 +68,7 @@ def to_rows(xp, flat, schedule, rank: int | None = None):
   """
   c = schedule.num_chunks
   size = flat.shape[0]
-  length = row_length(schedule, size)
+  length = row_length(schedule, size, multiple)
   if schedule.primitive == "all_gather":
     rows = xp.zeros((c, length), flat.dtype)
     if rank is not None:

@@ -1,0 +1,182 @@
+"""Compressed wire formats: what a message looks like between two devices.
+
+A :class:`WireFormat` encodes a float32 message of rows ``[k, L]`` into fewer
+bytes and decodes it back to float32:
+
+- ``bfloat16``: each value rounded to nearest bfloat16 (float32's exponent
+  range, so no scale). 2 bytes a value.
+- ``int8``, ``float8_e4m3fn``, ``float8_e5m2``: block floating point. Each
+  block of ``block_size`` consecutive values of a row shares one power-of-two
+  scale ``2**e``, stored as one int8 exponent (the E8M0 scale of the OCP
+  Microscaling formats): ``e`` is the smallest exponent with
+  ``max|block| <= fmax * 2**e`` (fmax = 127, 448, 57344), values are scaled by
+  ``2**-e`` (exact) and rounded to nearest in the element type. About 1 byte a
+  value (1 + 1/block_size).
+
+Why power-of-two scales: scaling by them is exact, so q = decode(encode(x)) is a
+fixed point, decode(encode(q)) == q bit for bit. A device that forwards a value
+it received (a ring's all-gather phase) re-encodes it to the same value, and a
+sender that keeps ``decode(encode(x))`` in place of what it sent (the executor
+does) holds exactly what its receivers hold. That keeps the
+replicas of an all-reduce bit-identical for every schedule. The price is at most
+one bit of resolution against a float scale.
+
+Error of one encode/decode of a value in a block whose largest magnitude is A
+(:attr:`WireFormat.relative_error` is the factor eps in ``|error| <= eps * A``):
+bfloat16 2**-8 (relative to the value itself, so also to A), int8 1/127
+(the step is 2**e < 2A/127, half a step at most), float8_e4m3fn 2**-4 + 2**-18,
+float8_e5m2 2**-3 + 2**-31 (relative rounding, plus half the smallest
+subnormal times the scale). Non-finite values: bfloat16 keeps them; in a scaled
+format a block holding an inf or NaN decodes to NaN everywhere (the exponent
+127 marks it, as E8M0's 0xFF does), so overflow is never silently hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+WIRE_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
+DEFAULT_BLOCK_SIZE = 256
+_SCALED = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+_EPS = {"bfloat16": 2.0 ** -8, "int8": 1 / 127, "float8_e4m3fn": 2.0 ** -4 + 2.0 ** -18,
+        "float8_e5m2": 2.0 ** -3 + 2.0 ** -31}
+NAN_EXPONENT = 127   # exponent that marks a block holding inf or NaN
+MIN_EXPONENT = -126  # scales stay normal float32 numbers
+
+
+@dataclasses.dataclass(frozen=True)
+class WireFormat:
+  """A wire format: element dtype name and, for scaled formats, the block size.
+
+  Attributes:
+    name: one of ``WIRE_DTYPES``.
+    block_size: values per shared exponent (a power of two; scaled formats).
+  """
+
+  name: str
+  block_size: int = DEFAULT_BLOCK_SIZE
+
+  def __post_init__(self):
+    if self.name not in WIRE_DTYPES:
+      raise ValueError(f"wire_dtype={self.name!r}: expected one of {WIRE_DTYPES} "
+                       "(or the input's own dtype, which sends it uncompressed)")
+    b = self.block_size
+    if not isinstance(b, (int, np.integer)) or b < 1 or b & (b - 1):
+      raise ValueError(f"wire_block_size={b!r} must be a positive power of two")
+
+  @property
+  def dtype(self) -> np.dtype:
+    return np.dtype(getattr(ml_dtypes, self.name, self.name))
+
+  @property
+  def scaled(self) -> bool:
+    return self.name in _SCALED
+
+  @property
+  def bytes_per_value(self) -> float:
+    """Wire bytes per value, the shared exponents included."""
+    return self.dtype.itemsize + (1 / self.block_size if self.scaled else 0.0)
+
+  def ratio(self, dtype) -> float:
+    """Wire bytes per byte of ``dtype`` data: the factor on ``Schedule.bytes_per_rank``."""
+    return self.bytes_per_value / np.dtype(dtype).itemsize
+
+  @property
+  def relative_error(self) -> float:
+    """eps: one encode/decode errs by at most eps * (largest magnitude in the block)."""
+    return _EPS[self.name]
+
+  def block_length(self, row_length: int) -> int:
+    """Values per exponent in rows of ``row_length``: block_size, or the next power of two
+    of a shorter row (so short messages are not padded to a whole block)."""
+    return min(self.block_size, 1 << max(row_length - 1, 0).bit_length())
+
+  def row_multiple(self, row_length: int) -> int:
+    """Rows must be a multiple of this long (1 for bfloat16)."""
+    return self.block_length(row_length) if self.scaled else 1
+
+
+def wire_format(wire_dtype, dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> WireFormat | None:
+  """The format for ``wire_dtype`` on ``dtype`` data; None where it sends ``dtype`` unchanged."""
+  if wire_dtype is None:
+    return None
+  name = np.dtype(getattr(ml_dtypes, str(wire_dtype), wire_dtype)).name
+  dtype = np.dtype(dtype)
+  if name == dtype.name:
+    return None
+  fmt = WireFormat(name, block_size)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"wire_dtype={name!r} compresses floating data; x has dtype {dtype.name}")
+  if not fmt.scaled and dtype.itemsize <= fmt.dtype.itemsize:
+    raise ValueError(f"wire_dtype={name!r} is not smaller than x's dtype {dtype.name}")
+  return fmt
+
+
+def pow2(e):
+  """2.0**e as float32 for int32 e in [-126, 127], exactly (built from the exponent bits)."""
+  return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def _exponents(amax, fmax: float):
+  """Smallest e >= MIN_EXPONENT with amax <= fmax * 2**e; NAN_EXPONENT where amax is not finite."""
+  biased = lax.bitcast_convert_type(amax, jnp.int32) >> 23    # amax >= 0: no sign bit
+  e = jnp.maximum(biased - 127 - math.floor(math.log2(fmax)), MIN_EXPONENT)
+  e = jnp.where(amax * pow2(-e) > fmax, e + 1, e)
+  return jnp.where(jnp.isfinite(amax), e, NAN_EXPONENT)
+
+
+def encode(fmt: WireFormat, rows):
+  """float32 rows ``[k, L]`` -> (values ``[k, L]`` in fmt.dtype, int8 exponents ``[k, L/B]``
+  or None). L must be a multiple of ``fmt.row_multiple(L)``."""
+  rows = rows.astype(jnp.float32)
+  if not fmt.scaled:
+    return rows.astype(fmt.dtype), None
+  k, length = rows.shape
+  b = fmt.block_length(length)
+  blocks = rows.reshape(k, length // b, b)
+  fmax = _SCALED[fmt.name]
+  e = _exponents(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), fmax)
+  scaled = jnp.clip(blocks * pow2(-jnp.minimum(e, 126)), -fmax, fmax)
+  if fmt.name == "int8":
+    scaled = jnp.round(scaled)
+  return scaled.astype(fmt.dtype).reshape(k, length), e[..., 0].astype(jnp.int8)
+
+
+def scales(exponents):
+  """float32 ``2**e`` of int8 exponents; NaN for ``NAN_EXPONENT``."""
+  e = exponents.astype(jnp.int32)
+  return jnp.where(e == NAN_EXPONENT, jnp.nan, pow2(jnp.minimum(e, 126)))
+
+
+def decode(fmt: WireFormat, values, exponents):
+  """The float32 rows ``encode`` encoded (what every receiver computes, bit for bit)."""
+  values = values.astype(jnp.float32)
+  if exponents is None:
+    return values
+  k, length = values.shape
+  blocks = values.reshape(k, exponents.shape[-1], -1) * scales(exponents)[..., None]
+  return blocks.reshape(k, length)
+
+
+def pack(fmt: WireFormat, values, exponents):
+  """One message: values and exponents as uint8 ``[k, L*itemsize + L/B]`` (one ppermute)."""
+  if exponents is None:
+    return values
+  k = values.shape[0]
+  as_bytes = lax.bitcast_convert_type(values, jnp.uint8).reshape(k, -1)
+  return jnp.concatenate([as_bytes, lax.bitcast_convert_type(exponents, jnp.uint8)], axis=1)
+
+
+def unpack(fmt: WireFormat, message, row_length: int):
+  """Inverse of :func:`pack`: (values, exponents)."""
+  if not fmt.scaled:
+    return message, None
+  n = row_length * fmt.dtype.itemsize
+  values = lax.bitcast_convert_type(message[:, :n], fmt.dtype)   # 1-byte elements
+  return values, lax.bitcast_convert_type(message[:, n:], jnp.int8)
