@@ -2,6 +2,8 @@
 
   sudo python benchmarks/emulated_cluster.py --rate 250mbit
   sudo python benchmarks/emulated_cluster.py --rate 1gbit --calibrate 256K,1M,4M,16M
+  sudo python benchmarks/emulated_cluster.py --rate 250mbit --ops all_reduce --sizes 64M \
+      --algorithms ring,hierarchical,native --wire bfloat16,float8_e4m3fn,int8
 
 Builds two network namespaces joined by a veth pair, each end rate-limited with
 ``tc qdisc tbf`` (``--rate``, default 1gbit; burst 512 KiB, latency 50 ms), runs one
@@ -14,7 +16,10 @@ also on Ctrl-C or failure. Only addresses inside them (10.213.0.0/24) are used.
 After the bench's own table it prints, per op, size and algorithm: the bytes one
 direction of the link carries (from the schedules; native priced as gloo's ring /
 pairwise exchange), the link utilisation (those bytes / time / rate), busbw as a
-fraction of the link rate, and the ratio to native. Needs root (ip, tc).
+fraction of the link rate, and the ratio to native. ``--wire`` also runs every
+scheduled algorithm with compressed messages (labelled ``ring [int8]``): the link
+bytes shrink by the format's ratio, and the report adds each row's error relative
+to the native result and the speedup over the uncompressed ring. Needs root (ip, tc).
 """
 
 from __future__ import annotations
@@ -86,6 +91,9 @@ def link_bytes(op: str, algorithm: str, nbytes: int) -> float:
   import jaxcoll
   from jaxcoll._src.cost import NATIVE_EQUIVALENT
   name = algorithm.split(" -> ")[-1]
+  m = re.fullmatch(r"(.*) \[(.*)\]", name)   # "ring [int8]": compressed messages
+  if m:
+    return link_bytes(op, m.group(1), nbytes) * jaxcoll.WireFormat(m.group(2)).ratio("float32")
   options = {}
   if name.startswith("hierarchical"):
     m = re.fullmatch(r"hierarchical\((.*?)(?:; pieces (.*))?\)", name)
@@ -108,18 +116,22 @@ def link_bytes(op: str, algorithm: str, nbytes: int) -> float:
 
 def report(rows: list[dict], rate_bps: float) -> str:
   from jaxcoll.bench import BUS_FACTOR
-  lines = ["| op | size/device | algorithm | time | vs native | link bytes/direction (M) "
-           "| link util | busbw / link rate |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+  lines = ["| op | size/device | algorithm | time | vs native | vs ring | link bytes/direction (M) "
+           "| link util | busbw / link rate | rel err |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
   rate = rate_bps / 8
   for r in rows:
-    native = next(x for x in rows if x["op"] == r["op"] and x["size"] == r["size"]
-                  and x["algorithm"] == "native")
+    same = {x["algorithm"]: x["time_us"] * 1e-6 for x in rows
+            if x["op"] == r["op"] and x["size"] == r["size"]}
     on_link = link_bytes(r["op"], r["algorithm"], r["size"])
     t = r["time_us"] * 1e-6
     busbw = r["size"] * BUS_FACTOR[r["op"]](8) / t
+    ratio = lambda name, t=t, same=same: f"{t / same[name]:.2f}" if name in same else "-"  # noqa: E731
+    err = "-" if r.get("rel_err") is None else f"{r['rel_err']:.1e}"
     lines.append(f"| {r['op']} | {r['size'] >> 20} MiB | {r['algorithm']} | "
-                 f"{t * 1e3:.0f} ms | {t / (native['time_us'] * 1e-6):.2f} | "
-                 f"{on_link / r['size']:.2f} | {on_link / t / rate:.0%} | {busbw / rate:.0%} |")
+                 f"{t * 1e3:.0f} ms | {ratio('native')} | {ratio('ring')} | "
+                 f"{on_link / r['size']:.2f} | {on_link / t / rate:.0%} | {busbw / rate:.0%} "
+                 f"| {err} |")
   return "\n".join(lines)
 
 
@@ -136,6 +148,9 @@ def main(argv=None) -> int:
                       help="names that do not apply to an op are skipped for it")
   parser.add_argument("--pieces", default="8,1",
                       help="also hierarchical with its node stage cut in pieces ('' for none)")
+  parser.add_argument("--wire", default=None, metavar="W[,W...]",
+                      help="also run every scheduled algorithm compressed (all_reduce, "
+                           "reduce_scatter, all_gather), and check errors")
   parser.add_argument("--iters", type=int, default=5)
   parser.add_argument("--calibrate", default=None, metavar="SIZES",
                       help="calibrate on the emulated cluster first (auto uses that profile)")
@@ -163,6 +178,8 @@ def main(argv=None) -> int:
         bench += ["--pieces", args.pieces]
       if args.calibrate:
         bench += ["--calibrate", args.calibrate]
+      if args.wire and op in ("all_reduce", "reduce_scatter", "all_gather"):
+        bench += ["--wire", args.wire, "--check"]
       code = launch(bench, processes=2, devices_per_process=4, timeout=args.timeout,
                     coordinator=f"{ns.addresses[0]}:29500", rank_prefix=[ns.prefix(0),
                                                                         ns.prefix(1)],

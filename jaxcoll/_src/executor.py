@@ -53,6 +53,7 @@ class _TransferPlan:
   combine: str
   send_contiguous: bool
   recv_contiguous: bool
+  sent_rows_reduced_into: bool = False   # a sender combines into rows it sent (see plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,16 +76,17 @@ def plan(schedule: Schedule) -> tuple[_Phase, ...]:
   """Groups the schedule's steps into phases with per-rank index tables."""
   n, scratch = schedule.axis_size, schedule.num_chunks
   phases: list[tuple[tuple[_TransferPlan, ...], list, list]] = []
-  for step in schedule.steps:
+  reduced_into = _sent_rows_reduced_into(schedule)
+  for step, reused in zip(schedule.steps, reduced_into):
     sends, recvs, plans = [], [], []
-    for t in step.transfers:
+    for t, again in zip(step.transfers, reused):
       k = t.chunks_per_message
       send = np.zeros((n, k), np.int32)
       recv = np.tile(np.arange(scratch, scratch + k, dtype=np.int32), (n, 1))
       send[list(t.src)] = t.send_chunks
       recv[list(t.dst)] = t.recv_chunks
       plans.append(_TransferPlan(t.perm, k, t.combine, all(map(_is_run, t.send_chunks)),
-                                 all(map(_is_run, t.recv_chunks))))
+                                 all(map(_is_run, t.recv_chunks)), again))
       sends.append(send)
       recvs.append(recv)
     key = tuple(plans)
@@ -102,6 +104,26 @@ def plan(schedule: Schedule) -> tuple[_Phase, ...]:
                       tuple(stack(sends, p.send_contiguous, j) for j, p in enumerate(key)),
                       tuple(stack(recvs, p.recv_contiguous, j) for j, p in enumerate(key))))
   return tuple(out)
+
+
+def _sent_rows_reduced_into(schedule: Schedule) -> list[list[bool]]:
+  """Per step and transfer: whether some sender, after this send, next combines a received
+  message into a row it sent (before a copy overwrites it).
+
+  That is when a compressed send must leave its decoded value in the sender's rows: in a
+  symmetric exchange (recursive doubling) both partners then compute q(a) + q(b). Elsewhere
+  (every ring, tree and halving step) a sent row is next overwritten, sent again (which
+  encodes the same value) or final, and the executor's last pass settles final rows.
+  """
+  n, c = schedule.axis_size, schedule.num_chunks
+  reduced_next = np.zeros((n, c), bool)    # walking backwards: the next event is a reduce
+  out = []
+  for step in reversed(schedule.steps):
+    for t in step.transfers:              # receives come after the step's sends
+      reduced_next[np.asarray(t.dst)[:, None], np.asarray(t.recv_chunks)] = t.combine == "reduce"
+    out.append([bool(reduced_next[np.asarray(t.src)[:, None], np.asarray(t.send_chunks)].any())
+                for t in step.transfers])
+  return out[::-1]
 
 
 def _read(rows, index, plan_: _TransferPlan, contiguous: bool):
@@ -130,11 +152,12 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
     copy_dtype: dtype that copy transfers carry on the wire (the output dtype
       when ``rows`` hold float32 partial sums); None keeps ``rows.dtype``.
     wire: a compressed wire format for every transfer (rows hold float32 and
-      their length is a multiple of ``wire.row_multiple``). Each sender encodes
-      what it sends and keeps the decoded value in its own rows, so sender and
-      receivers hold the same bits (symmetric exchanges too), and a replicated
-      result ends with one decode(encode(.)) pass, so ranks that computed a
-      value without sending it agree as well (see :mod:`jaxcoll._src.wire`).
+      their length is a multiple of ``wire.row_multiple``). A sender that will
+      combine into rows it sent keeps their decoded value (so both partners of a
+      symmetric exchange add the same two values), and a replicated result ends
+      with one decode(encode(.)) pass, a fixed point for every value that was
+      sent, so ranks that kept a value they sent agree with its receivers (see
+      :mod:`jaxcoll._src.wire`).
     fused: run reduce combines (and their decode) as the Pallas kernel
       :func:`jaxcoll.kernels.fused_combine`.
     loop_min_steps: phases at least this long run as a ``fori_loop``.
@@ -160,11 +183,15 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
       cast = p.combine == "copy" and copy_dtype is not None
       return rows, data.astype(copy_dtype) if cast else data
     values, exponents = wire_lib.encode(wire, data)
-    senders = np.zeros(schedule.axis_size, bool)
-    senders[[s for s, _ in p.perm]] = True
-    kept = jnp.where(jnp.asarray(senders)[rank], wire_lib.decode(wire, values, exponents), data)
-    return _write(rows, index, kept.astype(rows.dtype), p.send_contiguous), wire_lib.pack(
-        wire, values, exponents)
+    message = wire_lib.pack(wire, values, exponents)
+    if not p.sent_rows_reduced_into:
+      return rows, message
+    kept = wire_lib.decode(wire, values, exponents)
+    if len(p.perm) < schedule.axis_size:   # ranks outside the permutation keep their rows
+      senders = np.zeros(schedule.axis_size, bool)
+      senders[[s for s, _ in p.perm]] = True
+      kept = jnp.where(jnp.asarray(senders)[rank], kept, data)
+    return _write(rows, index, kept.astype(rows.dtype), p.send_contiguous), message
 
   def receive(p: _TransferPlan, rows, index, message):
     exponents = None
