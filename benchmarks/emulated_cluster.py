@@ -86,14 +86,14 @@ class Namespaces:
     return ["ip", "netns", "exec", self.names[rank]]
 
 
-def link_bytes(op: str, algorithm: str, nbytes: int) -> float:
+def link_bytes(op: str, algorithm: str, nbytes: int, dtype: str = "float32") -> float:
   """Bytes one direction of the node link carries (node 0 -> node 1), from the schedule."""
   import jaxcoll
   from jaxcoll._src.cost import NATIVE_EQUIVALENT
   name = algorithm.split(" -> ")[-1]
   m = re.fullmatch(r"(.*) \[(.*)\]", name)   # "ring [int8]": compressed messages
   if m:
-    return link_bytes(op, m.group(1), nbytes) * jaxcoll.WireFormat(m.group(2)).ratio("float32")
+    return link_bytes(op, m.group(1), nbytes) * jaxcoll.WireFormat(m.group(2)).ratio(dtype)
   options = {}
   if name.startswith("hierarchical"):
     m = re.fullmatch(r"hierarchical\((.*?)(?:; pieces (.*))?\)", name)
@@ -123,7 +123,7 @@ def report(rows: list[dict], rate_bps: float) -> str:
   for r in rows:
     same = {x["algorithm"]: x["time_us"] * 1e-6 for x in rows
             if x["op"] == r["op"] and x["size"] == r["size"]}
-    on_link = link_bytes(r["op"], r["algorithm"], r["size"])
+    on_link = link_bytes(r["op"], r["algorithm"], r["size"], r["dtype"])
     t = r["time_us"] * 1e-6
     busbw = r["size"] * BUS_FACTOR[r["op"]](8) / t
     ratio = lambda name, t=t, same=same: f"{t / same[name]:.2f}" if name in same else "-"  # noqa: E731
@@ -151,6 +151,7 @@ def main(argv=None) -> int:
   parser.add_argument("--wire", default=None, metavar="W[,W...]",
                       help="also run every scheduled algorithm compressed (all_reduce, "
                            "reduce_scatter, all_gather), and check errors")
+  parser.add_argument("--dtype", default="float32")
   parser.add_argument("--iters", type=int, default=5)
   parser.add_argument("--calibrate", default=None, metavar="SIZES",
                       help="calibrate on the emulated cluster first (auto uses that profile)")
@@ -172,6 +173,7 @@ def main(argv=None) -> int:
       out = os.path.join(tmp, f"{op}.json")
       bench = [sys.executable, "-m", "jaxcoll.bench", "--op", op, "--algorithm", ",".join(algos),
                "--mesh", "2x4", "--axes", "node,local", "-n", str(args.iters), "-w", "1",
+               "-d", args.dtype,
                "--json", out, "--no-progress"]
       bench += ["--sizes", args.sizes]
       if args.pieces:

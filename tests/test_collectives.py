@@ -235,6 +235,22 @@ def test_long_ring_compiles_as_a_loop():
                                   np.arange(128, dtype=np.float32).reshape(8, 16).sum(0))
 
 
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
+def test_half_precision_messages_travel_at_their_own_size(dtype):
+  """XLA's CPU backend widens a bfloat16 collective-permute to float32 (twice the bytes);
+  the executor sends 16-bit floats as uint16, and gradients still flow."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), (AXIS,))
+  f = jax.jit(jax.shard_map(lambda v: jaxcoll.all_reduce(v, AXIS, algorithm="ring"), mesh=mesh,
+                            in_specs=jax.P(AXIS), out_specs=jax.P()))
+  x = jax.device_put(jnp.ones(4 * 64, dtype), jax.NamedSharding(mesh, jax.P(AXIS)))
+  permutes = [line for line in f.lower(x).compile().as_text().splitlines()
+              if "collective-permute(" in line]
+  assert permutes and all("= u16[" in line for line in permutes), permutes
+  np.testing.assert_array_equal(np.asarray(f(x), np.float32), 4.0)
+  grad = jax.jit(jax.grad(lambda v: jnp.sum(f(v).astype(jnp.float32))))(x)
+  np.testing.assert_array_equal(np.asarray(grad, np.float32), 1.0)
+
+
 def test_accumulate_dtype_float32():
   n = 8
   rng = np.random.default_rng(1)

@@ -1,6 +1,6 @@
 """The one executor: any :class:`~jaxcoll._src.schedule.Schedule` as ppermute code.
 
-This is the only module that calls ``jax.lax.ppermute``. It runs inside
+This is the only module that calls ``jax.lax.ppermute`` (through :func:`ppermute`). It runs inside
 ``shard_map`` on one rank's buffer of rows ``[C, L]`` (plus scratch rows that
 ranks which receive nothing in a transfer write to, so every rank runs the same
 code). Chunk indices come from NumPy tables indexed by ``lax.axis_index``.
@@ -104,6 +104,31 @@ def plan(schedule: Schedule) -> tuple[_Phase, ...]:
                       tuple(stack(sends, p.send_contiguous, j) for j, p in enumerate(key)),
                       tuple(stack(recvs, p.recv_contiguous, j) for j, p in enumerate(key))))
   return tuple(out)
+
+
+def ppermute(x, axis_name, perm):
+  """``lax.ppermute``, with floats narrower than 32 bits sent as unsigned integers.
+
+  On the emulated two-node cluster (gloo, 250 Mbit/s) a bfloat16 ring all-reduce of 32 MiB
+  took as long as a float32 one of 64 MiB (4.7 s vs 4.4 s), as did gloo's own bfloat16
+  all-reduce: the CPU collectives carry bfloat16 at float32's size. The same bits as
+  uint16 cost their own size. Gradients see a plain ppermute (custom JVP).
+  """
+  if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize >= 4:
+    return lax.ppermute(x, axis_name, perm)
+  return _ppermute_as_bits(x, axis_name, tuple(perm))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _ppermute_as_bits(x, axis_name, perm):
+  bits = lax.bitcast_convert_type(x, {2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize])
+  return lax.bitcast_convert_type(lax.ppermute(bits, axis_name, perm), x.dtype)
+
+
+@_ppermute_as_bits.defjvp
+def _ppermute_as_bits_jvp(axis_name, perm, primals, tangents):
+  return (_ppermute_as_bits(primals[0], axis_name, perm),
+          lax.ppermute(tangents[0], axis_name, perm))
 
 
 def _sent_rows_reduced_into(schedule: Schedule) -> list[list[bool]]:
@@ -212,7 +237,7 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
     received = []
     for p, table in zip(phase.transfers, phase.send):
       rows, message = send(p, rows, jnp.asarray(table)[t, rank])
-      received.append(lax.ppermute(message, axis_name, axes_lib.ppermute_perm(axes, p.perm)))
+      received.append(ppermute(message, axis_name, axes_lib.ppermute_perm(axes, p.perm)))
     for p, table, message in zip(phase.transfers, phase.recv, received):
       rows = receive(p, rows, jnp.asarray(table)[t, rank], message)
     return rows
