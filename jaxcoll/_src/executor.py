@@ -1,7 +1,7 @@
 """The one executor: any :class:`~jaxcoll._src.schedule.Schedule` as ppermute code.
 
-This is the only module that calls ``jax.lax.ppermute`` (through :func:`ppermute`). It runs inside
-``shard_map`` on one rank's buffer of rows ``[C, L]`` (plus scratch rows that
+This is the only module that calls ``jax.lax.ppermute`` (through :func:`ppermute`). It
+runs inside ``shard_map`` on one rank's buffer of rows ``[C, L]`` (plus scratch rows that
 ranks which receive nothing in a transfer write to, so every rank runs the same
 code). Chunk indices come from NumPy tables indexed by ``lax.axis_index``.
 
@@ -109,10 +109,11 @@ def plan(schedule: Schedule) -> tuple[_Phase, ...]:
 def ppermute(x, axis_name, perm):
   """``lax.ppermute``, with floats narrower than 32 bits sent as unsigned integers.
 
-  On the emulated two-node cluster (gloo, 250 Mbit/s) a bfloat16 ring all-reduce of 32 MiB
-  took as long as a float32 one of 64 MiB (4.7 s vs 4.4 s), as did gloo's own bfloat16
-  all-reduce: the CPU collectives carry bfloat16 at float32's size. The same bits as
-  uint16 cost their own size. Gradients see a plain ppermute (custom JVP).
+  XLA's CPU backend widens a bfloat16 collective-permute to float32 (the compiled HLO
+  converts before and after it), which doubles the bytes on the link: on the emulated
+  two-node cluster (gloo, 250 Mbit/s) the 32 MiB bfloat16 ring all-reduce took 4.65 s,
+  and 2.66 s sent as uint16. The bitcasts cost nothing elsewhere. Gradients see a plain
+  ppermute (custom JVP).
   """
   if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize >= 4:
     return lax.ppermute(x, axis_name, perm)
@@ -201,8 +202,8 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
                                             rows.dtype)])
 
   def send(p: _TransferPlan, rows, index):
-    """(rows, message): the message to ppermute; with a wire format, the sender's rows
-    keep the decoded message."""
+    """(rows, message): the message to ppermute (encoded with a wire format; the sender's
+    rows then keep the decoded message where it reduces into them again)."""
     data = _read(rows, index, p, p.send_contiguous)
     if wire is None:
       cast = p.combine == "copy" and copy_dtype is not None
@@ -251,7 +252,7 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
         rows = run_step(phase, rows, t)
   rows = rows[:schedule.num_chunks]
   if wire is not None and schedule.primitive in REPLICATED:
-    # A rank that computed a final value but never sent it holds v where the others hold
+    # A rank that computed or sent a final value may hold v where the others hold
     # decode(encode(v)); one more pass (a fixed point for the rest) makes them agree.
     rows = wire_lib.decode(wire, *wire_lib.encode(wire, rows)).astype(rows.dtype)
   return rows
