@@ -162,6 +162,7 @@ def main(argv=None) -> int:
   rate_bps = rate_bits(args.rate)
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import jaxcoll
+  from jaxcoll._src.wire import WIRE_PRIMITIVES
   from jaxcoll.launch import launch
 
   signal.signal(signal.SIGTERM, _interrupt)   # so the namespaces are deleted on kill too
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
         bench += ["--pieces", args.pieces]
       if args.calibrate:
         bench += ["--calibrate", args.calibrate]
-      if args.wire and op in ("all_reduce", "reduce_scatter", "all_gather"):
+      if args.wire and op in WIRE_PRIMITIVES:
         bench += ["--wire", args.wire, "--check"]
       code = launch(bench, processes=2, devices_per_process=4, timeout=args.timeout,
                     coordinator=f"{ns.addresses[0]}:29500", rank_prefix=[ns.prefix(0),

@@ -127,6 +127,7 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
   from jaxcoll._src import dispatch, timing
   from jaxcoll._src.collectives import flat_call
   from jaxcoll._src.profile import PRESET_NAMES
+  from jaxcoll._src.wire import WIRE_PRIMITIVES
 
   if op not in OPS:
     raise ValueError(f"op={op!r}: expected one of {OPS}")
@@ -150,8 +151,8 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
     elif a != "auto" and a not in valid:
       raise ValueError(f"--algorithm {a!r} does not run {op} over {len(axes)} axis(es); "
                        f"expected 'auto', 'all' or some of {valid}")
-  if wire and op not in ("all_reduce", "reduce_scatter", "all_gather"):
-    raise ValueError(f"--wire compresses all_reduce, reduce_scatter and all_gather, not {op}")
+  if wire and op not in WIRE_PRIMITIVES:
+    raise ValueError(f"--wire compresses {', '.join(WIRE_PRIMITIVES)}, not {op}")
   dt = np.dtype(dtype)
   spec = P(mesh.axis_names)
   sharding = NamedSharding(mesh, spec)

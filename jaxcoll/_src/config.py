@@ -16,11 +16,8 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-import jax
-import jax.numpy as jnp
-
+from jaxcoll._src import fused_combine
 from jaxcoll._src.algorithms import check_algorithm
-from jaxcoll._src.fused_combine import COMPILED_BACKENDS
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.schedule import PRIMITIVES
 
@@ -116,11 +113,11 @@ def env_algorithms() -> dict[str, str]:
 
 def use_fused_kernel(chunk_bytes: int, dtype) -> bool:
   """Whether a reduce step on chunks of ``chunk_bytes`` runs the Pallas kernel (see config)."""
-  if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+  if not fused_combine.combines(dtype):
     return False
   setting = _current.fused_kernel
   if setting == "auto":
-    return jax.default_backend() in COMPILED_BACKENDS and chunk_bytes >= FUSED_MIN_BYTES
+    return fused_combine.backend_compiles() and chunk_bytes >= FUSED_MIN_BYTES
   return bool(setting)
 
 

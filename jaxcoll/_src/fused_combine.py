@@ -40,6 +40,16 @@ TILE_VALUES = 1 << 16        # values per tile (256 KiB of float32)
 COMPILED_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
 
 
+def backend_compiles() -> bool:
+  """Whether Pallas compiles the kernel on the default backend (else: interpret mode)."""
+  return jax.default_backend() in COMPILED_BACKENDS
+
+
+def combines(dtype) -> bool:
+  """Whether the kernel combines ``dtype`` (floating or integer data)."""
+  return bool(jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Spec:
   op: str
@@ -112,7 +122,7 @@ def _check(acc, recv, op, scale, out_dtype, rounding, key, exps, interpret) -> _
   if acc.shape != recv.shape:
     raise ValueError(f"recv.shape {recv.shape} must equal acc.shape {acc.shape}")
   for name, x in (("acc", acc), ("recv", recv)):
-    if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+    if not combines(x.dtype):
       raise ValueError(f"{name} has dtype {x.dtype}; the kernel combines float or integer data")
   work = ops.compute_dtype(acc.dtype)
   if scale is not None and not jnp.issubdtype(work, jnp.floating):
@@ -134,7 +144,7 @@ def _check(acc, recv, op, scale, out_dtype, rounding, key, exps, interpret) -> _
       raise ValueError(f"recv_exponents must be int8 of shape {acc.shape[:-1]} + (blocks,), "
                        f"blocks dividing {acc.shape[-1:]}; got {exps.dtype}{exps.shape}")
   if interpret is None:
-    interpret = jax.default_backend() not in COMPILED_BACKENDS
+    interpret = not backend_compiles()
   return _Spec(op, None if scale is None else float(scale), out_dtype, work, stochastic,
                bool(interpret))
 
