@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 
+from jaxcoll._src import compat
 from jaxcoll.launch import ENV_COORDINATOR, ENV_LOCAL_ADDRESS, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 
@@ -34,8 +35,7 @@ def initialize(**kwargs) -> None:
   cluster detection). Extra keyword arguments go to ``jax.distributed.initialize``.
   Does nothing when this process already joined a job."""
   import jax
-  from jax._src import distributed as jax_distributed
-  if jax_distributed.global_state.client is not None:
+  if jax.distributed.is_initialized():
     return
   if not launched():
     jax.distributed.initialize(**kwargs)
@@ -44,7 +44,7 @@ def initialize(**kwargs) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   address = os.environ.get(ENV_LOCAL_ADDRESS)
   if address:
-    _gloo_on(address)
+    compat.register_gloo_cpu_backend(address)
   jax.distributed.initialize(coordinator_address=os.environ[ENV_COORDINATOR],
                              num_processes=int(os.environ[ENV_NUM_PROCESSES]),
                              process_id=int(os.environ[ENV_PROCESS_ID]), **kwargs)
@@ -56,18 +56,3 @@ def _exit_at_once(kind, value, traceback) -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(1)
-
-
-def _gloo_on(address: str) -> None:
-  """Registers a CPU backend whose gloo transport uses ``address`` (jax 0.10 offers no flag:
-  its own factory calls ``make_gloo_tcp_collectives`` without a host name)."""
-  from jax._src import distributed as jax_distributed
-  from jax._src import xla_bridge
-  from jax._src.lib import _jax
-
-  def make_cpu_client():
-    collectives = _jax.make_gloo_tcp_collectives(
-        distributed_client=jax_distributed.global_state.client, hostname=address)
-    return xla_bridge.make_cpu_client(collectives=collectives)
-
-  xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)

@@ -112,8 +112,9 @@ def call_lax(primitive: str, x, axes, root: int = 0):
   if primitive == "shift":
     perm = [(i, (i + 1) % n) for i in range(n)]
     names = tuple(jax.sharding.get_abstract_mesh().axis_names)
-    if len(axes_t) > 1:
+    if len(axes_t) > 1:   # ppermute takes the tuple in mesh order (jax 0.12 requires it)
       perm = mesh_perm(axes_t, perm, names, tuple(lax.axis_size(a) for a in axes_t))
+      axes = tuple(sorted(axes_t, key=names.index))
     return lax.ppermute(x, axes, perm)
   raise ValueError(primitive)
 

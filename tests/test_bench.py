@@ -37,6 +37,7 @@ def test_every_algorithm_checks_clean_and_busbw_uses_the_bus_factor(op):
     assert r.count * 4 * (8 if op == "all_gather" else 1) == r.size
 
 
+@pytest.mark.quick
 def test_cli_writes_json_and_csv(tmp_path, capsys):
   out = tmp_path / "rows.json"
   code = bench.main(["-b", "1K", "-e", "4K", "-f", "4", "--op", "all_gather",
@@ -53,6 +54,7 @@ def test_cli_writes_json_and_csv(tmp_path, capsys):
   assert "busbw (GB/s)" in capsys.readouterr().out
 
 
+@pytest.mark.quick
 def test_cli_errors_name_the_argument():
   with pytest.raises(SystemExit, match="--algorithm 'bruck' does not run all_reduce"):
     bench.main(["-b", "1K", "-e", "1K", "--algorithm", "bruck", "--no-progress"])

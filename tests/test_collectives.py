@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -102,6 +103,7 @@ def test_all_reduce_every_op(algorithm, n):
   check_all_reduce(algorithm, n, ("sum", "prod", "min", "max", "mean"), ((7,),))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("primitive,algorithm",
                          [(p, a) for p in jaxcoll.PRIMITIVES for a in algos(p)])
 def test_simulate_agrees_with_the_jax_execution_bit_for_bit(primitive, algorithm):
@@ -116,6 +118,7 @@ def test_simulate_agrees_with_the_jax_execution_bit_for_bit(primitive, algorithm
     np.testing.assert_array_equal(got[r].reshape(-1), want)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("n", [3, 8])
 def test_all_reduce_equals_lax_exactly_on_integers(n):
   x = inputs(n, "sum")
@@ -126,7 +129,7 @@ def test_all_reduce_equals_lax_exactly_on_integers(n):
     for algorithm in jaxcoll.algorithms("all_reduce", num_axes=1):
       got = per_device(lambda t, op=op, a=algorithm: jaxcoll.all_reduce(t, AXIS, op=op,
                                                                         algorithm=a), n)(ints)
-      jax.tree.map(np.testing.assert_array_equal, got, want)
+      chex.assert_trees_all_equal(got, want)
 
 
 @pytest.mark.parametrize("primitive", ["reduce_scatter", "all_gather"])
@@ -170,6 +173,7 @@ def test_scatter_gather_equal_lax(primitive, n):
                      np.abs(x.astype(np.float64)).sum(0).max())
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("op", ["sum", "max", "mean"])
 def test_reduce_scatter_ops(op):
   n = 6
@@ -204,6 +208,7 @@ def test_rooted_collectives(primitive, n):
             np.testing.assert_array_equal(got[r], np.zeros_like(v[0]))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("primitive,algorithm",
                          [(p, a) for p in jaxcoll.PRIMITIVES for a in algos(p)])
 @pytest.mark.parametrize("n", [5, 8])
@@ -218,6 +223,7 @@ def test_traced_bytes_equal_schedule_bytes(primitive, algorithm, n):
   assert traced == sched.bytes_per_rank(length * 4)
 
 
+@pytest.mark.quick
 def test_long_ring_compiles_as_a_loop():
   """Each ring phase is one fori_loop: two ppermutes in the jaxpr, whatever N."""
   for n in (4, 8):
@@ -235,6 +241,7 @@ def test_long_ring_compiles_as_a_loop():
                                   np.arange(128, dtype=np.float32).reshape(8, 16).sum(0))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
 def test_half_precision_messages_travel_at_their_own_size(dtype):
   """XLA's CPU backend widens a bfloat16 collective-permute to float32 (twice the bytes);
@@ -251,6 +258,7 @@ def test_half_precision_messages_travel_at_their_own_size(dtype):
   np.testing.assert_array_equal(np.asarray(grad, np.float32), 1.0)
 
 
+@pytest.mark.quick
 def test_accumulate_dtype_float32():
   n = 8
   rng = np.random.default_rng(1)
@@ -276,6 +284,7 @@ def sequential_rounded_error(x, exact):
   return np.abs(acc.astype(np.float64) - exact)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
 def test_low_precision_error_bounded_by_sequential_sum(dtype):
   """Per-step rounding: no worse than a sequential sum rounded each step; trees do better."""
@@ -295,6 +304,7 @@ def test_low_precision_error_bounded_by_sequential_sum(dtype):
   assert errors["recursive_doubling"] < errors["ring"]
 
 
+@pytest.mark.quick
 def test_jit_scan_and_eager():
   n = 4
   x = np.arange(n * 6, dtype=np.float32).reshape(n, 6)
@@ -314,6 +324,7 @@ def test_jit_scan_and_eager():
   np.testing.assert_allclose(np.asarray(eager)[0], x.sum(0))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_replicated_results_leave_with_out_specs_p(check_vma):
   n = 8
@@ -333,6 +344,7 @@ def test_replicated_results_leave_with_out_specs_p(check_vma):
     np.testing.assert_array_equal(np.asarray(got), x[3])
 
 
+@pytest.mark.quick
 def test_lax_semantics_corner_cases():
   n = 4
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), (AXIS,))
@@ -368,10 +380,12 @@ def test_lax_semantics_corner_cases():
   mixed = {"a": np.ones((n, 2), np.float32), "b": [np.arange(n, dtype=np.int32),
                                                      np.ones((n, 1), ml_dtypes.bfloat16)]}
   got = per_device(lambda t: jaxcoll.all_reduce(t, AXIS, algorithm="ring"), n)(mixed)
-  assert jax.tree.structure(got) == jax.tree.structure(mixed)
+  chex.assert_trees_all_equal_structs(got, mixed)
+  chex.assert_trees_all_equal_dtypes(got, mixed)
   np.testing.assert_array_equal(np.asarray(got["b"][0]), np.full(n, 6))
 
 
+@pytest.mark.quick
 def test_checkpoint_and_custom_vjp_around_the_call():
   n = 4
   x = np.arange(n * 3, dtype=np.float32).reshape(n, 3) / 7
@@ -401,6 +415,7 @@ def test_checkpoint_and_custom_vjp_around_the_call():
       loss(custom(lambda v: lax.psum(v, AXIS))), rtol=1e-6)
 
 
+@pytest.mark.quick
 def test_integer_inputs_get_float0_cotangents():
   n = 4
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), (AXIS,))
@@ -412,6 +427,7 @@ def test_integer_inputs_get_float0_cotangents():
   np.testing.assert_allclose(g[0], np.arange(n))
 
 
+@pytest.mark.quick
 def test_errors_name_the_argument():
   n = 4
   x = np.zeros((n, 4), np.float32)

@@ -16,6 +16,8 @@ from jaxcoll import Link, Profile
 from jaxcoll._src import cost, dispatch
 from tests.helpers import AXIS, count_primitive, per_device
 
+pytestmark = pytest.mark.quick   # also on the oldest supported jax (.ci/run)
+
 FLAT = [(p, a) for p in jaxcoll.PRIMITIVES for a in jaxcoll.algorithms(p, num_axes=1)
         if a != "native"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -13,6 +14,8 @@ from jax.test_util import check_grads
 
 import jaxcoll
 from tests.helpers import call, call_lax, input_length
+
+pytestmark = pytest.mark.quick   # also on the oldest supported jax (.ci/run)
 
 PRIMITIVES = jaxcoll.PRIMITIVES
 # (mesh shape, names, axis_name): one axis of a non-power-of-two size, and a (node, local) tuple
@@ -103,8 +106,7 @@ def test_jvp_equals_lax(primitive):
   want = jax.jit(lambda x, t: jax.jvp(lax_f, (x,), (t,)))(x, t)
   got = jax.jit(lambda x, t: jax.jvp(ours, (x,), (t,)))(x, t)
   for a in algos:
-    for g, w in zip((got[0][a], got[1][a]), want):
-      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=a)
+    chex.assert_trees_all_close((got[0][a], got[1][a]), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("primitive", PRIMITIVES)
@@ -151,6 +153,4 @@ def test_vmap_over_a_leading_batch_dimension(primitive, mesh_key):
   lax_f, _ = sharded(lambda v, ax: jax.vmap(lambda b: call_lax(primitive, b, ax, 1))(v),
                      mesh_key)
   want = np.asarray(jax.jit(lax_f)(x))
-  got = jax.jit(ours)(x)
-  for a in algos:
-    np.testing.assert_allclose(got[a], want, rtol=1e-5, atol=1e-5, err_msg=a)
+  chex.assert_trees_all_close(jax.jit(ours)(x), {a: want for a in algos}, rtol=1e-5, atol=1e-5)

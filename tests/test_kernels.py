@@ -13,6 +13,8 @@ from jaxcoll import kernels
 from jaxcoll._src import wire
 from tests.helpers import count_primitive, iter_eqns, per_device
 
+pytestmark = pytest.mark.quick   # also on the oldest supported jax (.ci/run)
+
 DTYPES = (np.float32, ml_dtypes.bfloat16, np.float16, np.int32)
 LENGTHS = (1, 4096, 70001)   # one value; in place in one tile; padded, partial last tile
 NP_OPS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}

@@ -13,7 +13,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcoll
+from jaxcoll._src import axes as axes_lib
+from jaxcoll._src import compat
 from tests.helpers import call, call_lax, input_length, mesh_perm, ppermute_bytes_per_rank
+
+pytestmark = pytest.mark.quick   # also on the oldest supported jax (.ci/run)
 
 TUPLE_PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
                     "reduce", "shift")
@@ -82,22 +86,35 @@ def test_all_reduce_replicas_bit_identical_over_a_tuple(shape, names, axes):
 
 
 def test_axis_index_and_ppermute_number_a_tuple_differently():
-  """The jax 0.10.2 trap the executor translates: axis_index(('z', 'y')) is z-major, while
-  ppermute's perm over ('z', 'y') is read in mesh order (y-major)."""
+  """What jaxcoll's ppermute translation rests on, pinned for every supported jax:
+  axis_index(('z', 'y')) is z-major; ppermute's perm over the mesh-ordered ('y', 'z') is
+  y-major. Over ('z', 'y') itself, jax 0.10.2 reads perm in mesh order (y-major) and jax
+  0.12 refuses the tuple. A jax that changes either fails here."""
   mesh = make_mesh((2, 2, 2), ("x", "y", "z"))
   coords = np.stack(np.unravel_index(np.arange(8), (2, 2, 2)), 1)   # device -> (x, y, z)
   index = run(mesh, lambda v: lax.axis_index(("z", "y")), np.zeros((8, 1)))
   np.testing.assert_array_equal(index, coords[:, 2] * 2 + coords[:, 1])
   perm = [(i, (i + 1) % 4) for i in range(4)]
-  src = run(mesh, lambda v: lax.ppermute(lax.axis_index(("x", "y", "z")), ("z", "y"), perm),
+  mesh_order = coords[:, 1] * 2 + coords[:, 2]       # y-major
+  src = run(mesh, lambda v: lax.ppermute(lax.axis_index(("x", "y", "z")), ("y", "z"), perm),
             np.zeros((8, 1)))
-  mesh_order = coords[:, 1] * 2 + coords[:, 2]       # y-major: what ppermute reads
   np.testing.assert_array_equal(mesh_order[src], (mesh_order - 1) % 4)
+  out_of_order = lambda: run(mesh, lambda v: lax.ppermute(lax.axis_index(("x", "y", "z")),
+                                                          ("z", "y"), perm), np.zeros((8, 1)))
+  if compat.JAX_VERSION < (0, 12):
+    np.testing.assert_array_equal(mesh_order[out_of_order()], (mesh_order - 1) % 4)
+  else:
+    with pytest.raises(RuntimeError, match="same order as the axis_names"):
+      out_of_order()
   # the test helper's translation (and jaxcoll's) turns axis_index pairs into mesh pairs
   fixed = mesh_perm(("z", "y"), perm, ("x", "y", "z"), (2, 2))
-  src = run(mesh, lambda v: lax.ppermute(lax.axis_index(("x", "y", "z")), ("z", "y"), fixed),
+  src = run(mesh, lambda v: lax.ppermute(lax.axis_index(("x", "y", "z")), ("y", "z"), fixed),
             np.zeros((8, 1)))
   np.testing.assert_array_equal(index[src], (index - 1) % 4)
+  seen = []
+  run(mesh, lambda v: seen.append(axes_lib.ppermute_args(("z", "y"), perm)) or v,
+      np.zeros((8, 1)))
+  assert seen == [(("y", "z"), tuple(fixed))]
 
 
 @pytest.mark.parametrize("axes", [("node", "local"), ("local", "node"), "local"])

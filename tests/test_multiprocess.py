@@ -13,6 +13,8 @@ import pytest
 
 from jaxcoll.launch import launch
 
+pytestmark = pytest.mark.quick   # also on the oldest supported jax (.ci/run)
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_worker.py")
 
 

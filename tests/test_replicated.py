@@ -5,10 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 
 from jaxcoll._src import replicated
 from tests.helpers import AXIS, mesh
+
+pytestmark = pytest.mark.quick   # also on the oldest supported jax (.ci/run)
 
 
 def test_jax_internals_still_exist():

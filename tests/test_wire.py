@@ -16,6 +16,8 @@ import jaxcoll
 from jaxcoll._src import wire
 from tests.helpers import per_device, ppermute_bytes_per_rank
 
+pytestmark = pytest.mark.quick   # also on the oldest supported jax (.ci/run)
+
 FORMATS = jaxcoll.WIRE_DTYPES
 SCALED = ("int8", "float8_e4m3fn", "float8_e5m2")
 B = wire.DEFAULT_BLOCK_SIZE

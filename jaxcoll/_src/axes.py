@@ -1,10 +1,12 @@
 """Axis names inside shard_map: validation, sizes, and the rank order of a tuple of axes.
 
 Over a tuple of axes jaxcoll numbers ranks as ``lax.axis_index(axes)`` does:
-row-major over the tuple in the order given (``('z', 'y')``: z major). On
-jax 0.10.2 ``lax.ppermute`` reads its ``perm`` over the same tuple in *mesh*
-order instead (the axes sorted as the mesh lists them), so the executor maps
-every pair through :func:`ppermute_index`; ``tests/test_axes.py`` pins both.
+row-major over the tuple in the order given (``('z', 'y')``: z major). ``lax.ppermute``
+over a tuple reads its ``perm`` in *mesh* order (the axes sorted as the mesh lists them):
+jax 0.10.2 does so whatever order the tuple is given in, jax 0.12 accepts only a tuple in
+mesh order. :func:`ppermute_args` gives the tuple in mesh order and every pair renumbered;
+``tests/test_multi_axis.py::test_axis_index_and_ppermute_number_a_tuple_differently`` pins
+both versions' behaviour.
 """
 
 from __future__ import annotations
@@ -47,27 +49,34 @@ def size(axes: tuple[str, ...]) -> int:
   return math.prod(sizes(axes))
 
 
-def ppermute_index(axes: tuple[str, ...]) -> np.ndarray | None:
-  """``index[r]``: the number ``lax.ppermute`` gives the device of rank r (the
-  ``lax.axis_index(axes)`` numbering); None where the two agree."""
+Perm = tuple[tuple[int, int], ...]
+
+
+def ppermute_args(axes: tuple[str, ...], perm) -> tuple[tuple[str, ...], Perm]:
+  """``(axis_name, perm)`` to pass ``lax.ppermute`` for ``perm``, pairs of ranks numbered as
+  ``lax.axis_index(axes)`` numbers them.
+
+  The tuple goes to ppermute in mesh order, the one form every supported jax reads the same
+  way (jax 0.12 rejects any other order; 0.10.2 reads ``perm`` in mesh order whatever order
+  the tuple has), and every pair is renumbered into that order.
+  """
   names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+  perm = tuple((int(s), int(d)) for s, d in perm)
   if len(axes) < 2 or not set(axes) <= set(names):
-    return None
-  return _ppermute_index(axes, sizes(axes), names)
-
-
-def ppermute_perm(axes: tuple[str, ...], perm) -> tuple[tuple[int, int], ...]:
-  """``perm`` (pairs of ranks in ``lax.axis_index`` numbering) as ``lax.ppermute`` reads it."""
-  index = ppermute_index(axes)
+    return axes, perm
+  ordered, index = _mesh_order(axes, sizes(axes), names)
   if index is None:
-    return tuple(perm)
-  return tuple((int(index[s]), int(index[d])) for s, d in perm)
+    return axes, perm
+  return ordered, tuple((int(index[s]), int(index[d])) for s, d in perm)
 
 
 @functools.lru_cache(maxsize=256)
-def _ppermute_index(axes, shape, mesh_names) -> np.ndarray | None:
+def _mesh_order(axes, shape, mesh_names) -> tuple[tuple[str, ...], np.ndarray | None]:
+  """The axes in mesh order, and ``index[r]``: rank r's number in that order (None when the
+  two numberings agree)."""
   order = sorted(range(len(axes)), key=lambda t: mesh_names.index(axes[t]))
+  ordered = tuple(axes[t] for t in order)
   if order == list(range(len(axes))):
-    return None
+    return ordered, None
   coords = np.unravel_index(np.arange(math.prod(shape)), shape)
-  return np.ravel_multi_index([coords[t] for t in order], [shape[t] for t in order])
+  return ordered, np.ravel_multi_index([coords[t] for t in order], [shape[t] for t in order])

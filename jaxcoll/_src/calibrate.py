@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll._src import cost, timing
+from jaxcoll._src import compat, cost, timing
 from jaxcoll._src.algorithms import schedule
 from jaxcoll._src.collectives import flat_call
 from jaxcoll._src.profile import FRESH_THRESHOLD, Link, NativeTimes, Profile
@@ -115,8 +115,7 @@ def calibrate(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DE
 
   Runs programs on the mesh, so it must be called outside jit / shard_map.
   """
-  from jax._src import core
-  if not core.trace_state_clean():
+  if not compat.trace_state_clean():
     raise RuntimeError("calibrate() runs programs on the mesh; call it outside jit, shard_map "
                        "and other transformations, then pass the profile to jaxcoll.config")
   axes = tuple(axes or mesh.axis_names)

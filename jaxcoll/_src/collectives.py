@@ -23,7 +23,7 @@ from jaxcoll._src import config as config_lib
 from jaxcoll._src import dispatch, layout, ops
 from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.algorithms import NATIVE, schedule
-from jaxcoll._src.executor import execute
+from jaxcoll._src.executor import execute, ppermute
 from jaxcoll._src.replicated import check_vma_enabled, make_varying, mark_invariant
 
 _NATIVE_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin, "mean": lax.pmean}
@@ -376,7 +376,7 @@ def shift(x, axis_name, offset: int = 1, *, wrap: bool = True, algorithm="auto")
     sched = schedule("shift", "direct", n, **options)
     if algo == NATIVE:
       perm = sched.steps[0].transfers[0].perm if sched.steps else ()
-      return lax.ppermute(x, axes, axes_lib.ppermute_perm(axes, perm))
+      return ppermute(x, axes, perm)
     _, rows = _run("shift", algo, n, x.reshape(-1), axes, options=options)
     return layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape)
 

@@ -1,6 +1,7 @@
 """The one executor: any :class:`~jaxcoll._src.schedule.Schedule` as ppermute code.
 
-This is the only module that calls ``jax.lax.ppermute`` (through :func:`ppermute`). It
+This is the only module that calls ``jax.lax.ppermute`` (through :func:`ppermute`, which
+``shift``'s native algorithm calls too). It
 runs inside ``shard_map`` on one rank's buffer of rows ``[C, L]`` (plus scratch rows that
 ranks which receive nothing in a transfer write to, so every rank runs the same
 code). Chunk indices come from NumPy tables indexed by ``lax.axis_index``.
@@ -106,8 +107,10 @@ def plan(schedule: Schedule) -> tuple[_Phase, ...]:
   return tuple(out)
 
 
-def ppermute(x, axis_name, perm):
-  """``lax.ppermute``, with floats narrower than 32 bits sent as unsigned integers.
+def ppermute(x, axes: tuple[str, ...], perm):
+  """``lax.ppermute`` of ``perm``, pairs of ranks numbered as ``lax.axis_index(axes)`` numbers
+  them (:func:`jaxcoll._src.axes.ppermute_args` puts them in the form every jax reads the
+  same), with floats narrower than 32 bits sent as unsigned integers.
 
   XLA's CPU backend widens a bfloat16 collective-permute to float32 (the compiled HLO
   converts before and after it), which doubles the bytes on the link: on the emulated
@@ -115,9 +118,10 @@ def ppermute(x, axis_name, perm):
   and 2.66 s sent as uint16. The bitcasts cost nothing elsewhere. Gradients see a plain
   ppermute (custom JVP).
   """
+  axis_name, perm = axes_lib.ppermute_args(axes, perm)
   if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize >= 4:
     return lax.ppermute(x, axis_name, perm)
-  return _ppermute_as_bits(x, axis_name, tuple(perm))
+  return _ppermute_as_bits(x, axis_name, perm)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
@@ -238,7 +242,7 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
     received = []
     for p, table in zip(phase.transfers, phase.send):
       rows, message = send(p, rows, jnp.asarray(table)[t, rank])
-      received.append(ppermute(message, axis_name, axes_lib.ppermute_perm(axes, p.perm)))
+      received.append(ppermute(message, axes, p.perm))
     for p, table, message in zip(phase.transfers, phase.recv, received):
       rows = receive(p, rows, jnp.asarray(table)[t, rank], message)
     return rows

@@ -1,0 +1,63 @@
+"""Every difference between the supported jax versions, and every private jax name jaxcoll
+uses where no public one exists, in one place.
+
+Supported: jax/jaxlib 0.10.2 (what Python 3.11 resolves) through 0.12.x (Python 3.12+).
+``tests/test_compat.py`` checks each private name below on the running jax, so a release
+that moves one fails there first, loudly, instead of somewhere deep in a collective.
+
+- ``trace_state_clean``: whether no transformation (jit, shard_map, vmap, grad) is tracing.
+  No public API says so; ``jax._src.core.trace_state_clean`` on both versions.
+- ``register_gloo_cpu_backend``: a CPU backend whose gloo transport binds to and advertises
+  a given address. jax offers no flag for the address (its own factory passes no host
+  name), so this rebuilds the factory from ``jax._src.xla_bridge`` and
+  ``jax._src.lib._jax.make_gloo_tcp_collectives``, the same on both versions.
+
+``replicated.py``'s primitive uses jax's extension API (``jax.extend.core.Primitive``,
+``jax.interpreters.ad/batching/mlir``), the same on both versions and pinned by
+``tests/test_replicated.py``.
+
+Where the versions behave differently rather than name things differently, the module that
+depends on it says so and adapts in a form both accept: ``axes.ppermute_args`` (jax 0.12
+refuses a tuple of axes out of mesh order in ``lax.ppermute``; 0.10.2 reads its
+permutation in mesh order whatever the tuple's order).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+
+OLDEST = (0, 10, 2)
+NEWEST_MINOR = (0, 12)      # the newest minor release the tests ran on (pyproject caps below)
+
+
+def _version(text: str) -> tuple[int, ...]:
+  return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+JAX_VERSION = _version(jax.__version__)
+
+
+def trace_state_clean() -> bool:
+  """True outside every jax transformation (jit, shard_map, vmap, grad)."""
+  from jax._src import core
+  return core.trace_state_clean()
+
+
+def register_gloo_cpu_backend(hostname: str) -> None:
+  """Makes the CPU backend's gloo collectives bind to and advertise ``hostname``.
+
+  Call after ``jax.config.update("jax_cpu_collectives_implementation", "gloo")`` and before
+  ``jax.distributed.initialize``; the factory runs when jax first creates the CPU backend,
+  by which time the distributed client exists.
+  """
+  from jax._src import distributed, xla_bridge
+  from jax._src.lib import _jax
+
+  def make_cpu_client():
+    collectives = _jax.make_gloo_tcp_collectives(
+        distributed_client=distributed.global_state.client, hostname=hostname)
+    return xla_bridge.make_cpu_client(collectives=collectives)
+
+  xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)

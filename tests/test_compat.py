@@ -1,0 +1,52 @@
+"""The private jax names in ``jaxcoll._src.compat`` still exist and do what it relies on."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxcoll._src import compat
+
+pytestmark = pytest.mark.quick   # also on the oldest supported jax (.ci/run)
+
+
+def test_running_jax_is_a_supported_version():
+  assert compat.OLDEST <= compat.JAX_VERSION
+  assert compat.JAX_VERSION[:2] <= compat.NEWEST_MINOR, (
+      f"jax {jax.__version__} is newer than the newest tested minor release "
+      f"{compat.NEWEST_MINOR}: run the suite on it, then raise NEWEST_MINOR and pyproject's cap")
+
+
+@pytest.mark.parametrize("text,want", [
+    ("0.10.2", (0, 10, 2)), ("0.12.0.1", (0, 12, 0)), ("0.13.0rc1", (0, 13, 0)),
+    ("0.12.1.dev20261201", (0, 12, 1))])
+def test_version_parsing(text, want):
+  assert compat._version(text) == want
+
+
+def test_trace_state_clean_sees_every_transformation():
+  assert compat.trace_state_clean()
+  seen = []
+
+  def f(x):
+    seen.append(compat.trace_state_clean())
+    return x
+
+  jax.jit(f)(1.0)
+  jax.vmap(f)(jnp.ones(2))
+  jax.grad(f)(1.0)
+  assert seen == [False, False, False]
+
+
+def test_gloo_backend_factory_internals_still_exist():
+  from jax._src import distributed, xla_bridge
+  from jax._src.lib import _jax
+  assert hasattr(distributed.global_state, "client")
+  assert "collectives" in inspect.signature(xla_bridge.make_cpu_client).parameters
+  params = inspect.signature(xla_bridge.register_backend_factory).parameters
+  assert {"priority", "fail_quietly"} <= set(params)
+  assert "hostname" in (_jax.make_gloo_tcp_collectives.__doc__ or "")
+  assert callable(jax.distributed.is_initialized) and not jax.distributed.is_initialized()
