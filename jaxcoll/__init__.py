@@ -15,6 +15,7 @@ from jaxcoll._src.collectives import (
 from jaxcoll._src.config import config
 from jaxcoll._src.dispatch import Hierarchical
 from jaxcoll._src.explain import Explanation, explain
+from jaxcoll._src.integrations.rewrite import use
 from jaxcoll._src.profile import Link, NativeTimes, Profile
 from jaxcoll._src.schedule import PRIMITIVES, AxisTraffic, Schedule, Step, Transfer
 from jaxcoll._src.table import Table
@@ -50,4 +51,5 @@ __all__ = (
     "reduce_scatter",
     "schedule",
     "shift",
+    "use",
 )

@@ -61,3 +61,29 @@ def register_gloo_cpu_backend(hostname: str) -> None:
     return xla_bridge.make_cpu_client(collectives=collectives)
 
   xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+
+
+def open_jaxpr(sub) -> tuple[object, list]:
+  """A higher-order primitive's sub-jaxpr as ``(jaxpr, consts)``: jax 0.10 stores a
+  ``ClosedJaxpr`` (consts beside it), jax 0.12 an open ``Jaxpr`` whose consts were hoisted
+  into its inputs."""
+  if hasattr(sub, "consts"):
+    return sub.jaxpr, list(sub.consts)
+  if sub.constvars:
+    raise NotImplementedError(f"a sub-jaxpr with {len(sub.constvars)} constvars and no values")
+  return sub, []
+
+
+def scan_counts(params) -> tuple[int, int]:
+  """``(num_consts, num_carry)`` of a scan equation: jax 0.10 names them; jax 0.12 keeps
+  ``ft_in``, a ``jax._src.flattree.FlatTree`` of ``(consts, carry, xs)``: an ``FTTuple``
+  of three FlatTrees (``len``: flat inputs) or an ``FTPyTree`` whose treedef has three
+  children."""
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  ft = params["ft_in"]
+  if hasattr(ft, "elts"):
+    consts, carry, _ = ft.elts
+    return len(consts), len(carry)
+  consts, carry, _ = ft.tree.children()
+  return consts.num_leaves, carry.num_leaves

@@ -39,7 +39,7 @@ def current() -> Config:
   return _current
 
 
-def _check_choice(primitive, algorithm, where: str):
+def check_choice(primitive, algorithm, where: str):
   from jaxcoll._src.dispatch import Hierarchical
   if primitive not in PRIMITIVES:
     raise ValueError(f"{where}: {primitive!r} is not a collective; expected one of {PRIMITIVES}")
@@ -76,7 +76,7 @@ class config:  # noqa: N801 (used like a function: jaxcoll.config(...))
         raise ValueError(f"config(algorithm={algorithm!r}): expected a mapping "
                          "{primitive: algorithm}")
       for p, a in algorithm.items():
-        _check_choice(p, a, "config(algorithm=...)")
+        check_choice(p, a, "config(algorithm=...)")
     if isinstance(profile, str):
       profile = Profile.preset(profile)
     if profile is not None and not isinstance(profile, Profile):
@@ -106,7 +106,7 @@ def env_algorithms() -> dict[str, str]:
     if not sep:
       raise ValueError(f"{ENV_ALGORITHM}={text!r}: expected primitive=algorithm pairs separated "
                        "by commas, e.g. all_reduce=ring,all_gather=bruck")
-    _check_choice(primitive.strip(), algorithm.strip(), ENV_ALGORITHM)
+    check_choice(primitive.strip(), algorithm.strip(), ENV_ALGORITHM)
     out[primitive.strip()] = algorithm.strip()
   return out
 

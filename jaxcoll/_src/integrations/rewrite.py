@@ -1,0 +1,366 @@
+"""``jaxcoll.use``: an existing function's lax collectives, run as jaxcoll collectives.
+
+A function transformation in the style of jax's own: trace ``fun`` to a jaxpr, then
+evaluate the jaxpr equation by equation on the caller's values (or tracers). Each lax
+collective over shard_map axes is replaced by the jaxcoll collective with the same
+semantics (``COLLECTIVES``); each higher-order primitive is rebuilt with jax's public API
+around an evaluation of its sub-jaxpr (``HIGHER_ORDER``), so the rewrite reaches into
+shard_map bodies, nested jit, scan, while, cond, checkpoint (with the user's policy) and
+custom_jvp/custom_vjp functions (their rules too). Every other equation is bound as it
+was. Because the evaluation runs on the caller's tracers, ``jax.grad(use(f))``,
+``use(jax.grad(f))``, ``jax.jit(use(f))`` and ``jax.vmap`` compose as usual.
+
+What a jaxpr cannot show: collectives that XLA's SPMD partitioner inserts by itself for a
+``jax.jit`` over sharded arrays (sharding propagation, no shard_map) exist only after
+compilation, so ``use`` cannot see them. Write the step under ``jax.shard_map`` (explicit
+collectives) to put them in the jaxpr.
+
+Left untouched: collectives with ``axis_index_groups``, collectives over axes that are not
+manual shard_map axes (``vmap``/``pmap`` axis names), and ppermutes that are not a shift.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+
+import jax
+import numpy as np
+from jax import lax
+
+from jaxcoll._src import collectives, compat
+from jaxcoll._src import config as config_lib
+from jaxcoll._src import wire as wire_lib
+from jaxcoll._src.algorithms import HIERARCHICAL, algorithms
+from jaxcoll._src.profile import Profile
+from jaxcoll._src.schedule import PRIMITIVES
+
+
+class _Options:
+  """What ``use`` was asked for: the algorithm per primitive, the wire format, the profile."""
+
+  def __init__(self, algorithm, wire_dtype, profile):
+    if isinstance(algorithm, Mapping):
+      for p, a in algorithm.items():
+        if p not in PRIMITIVES:
+          raise ValueError(f"use(algorithm=...): {p!r} is not a collective; expected one of "
+                           f"{PRIMITIVES}")
+        config_lib.check_choice(p, a, "use(algorithm=...)")
+      self.algorithm = dict(algorithm)
+    elif isinstance(algorithm, str):
+      if algorithm != "auto" and not any(algorithm in algorithms(p) for p in PRIMITIVES):
+        raise ValueError(f"use(algorithm={algorithm!r}): no collective offers it; expected "
+                         "'auto', a mapping {primitive: algorithm} or a name from "
+                         "jaxcoll.algorithms(primitive)")
+      self.algorithm = algorithm
+    else:
+      raise ValueError(f"use(algorithm={algorithm!r}): expected 'auto', a name or a mapping "
+                       "{primitive: algorithm}")
+    self.wire = None if wire_dtype is None else wire_lib.wire_format(wire_dtype, np.float32)
+    self.profile = Profile.preset(profile) if isinstance(profile, str) else profile
+
+  def algorithm_for(self, primitive: str, axes: tuple[str, ...]):
+    """A name applies to each primitive that offers it (hierarchical: over two axes or more);
+    every other primitive gets "auto"."""
+    if isinstance(self.algorithm, dict):
+      return self.algorithm.get(primitive, "auto")
+    name = self.algorithm
+    if name not in algorithms(primitive) or (name == HIERARCHICAL and len(axes) < 2):
+      return "auto"
+    return name
+
+  def wire_for(self, x) -> dict:
+    """``wire_dtype=`` for a floating leaf wider than the format (the rest travel as they are)."""
+    w = self.wire
+    if w is None or not jax.numpy.issubdtype(x.dtype, jax.numpy.floating) or (
+        not w.scaled and x.dtype.itemsize <= w.dtype.itemsize):
+      return {}
+    return {"wire_dtype": w.name}
+
+
+def _manual(axes) -> tuple[str, ...] | None:
+  """``axes`` as a tuple when every one is a manual (shard_map) axis here, else None."""
+  axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+  manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
+  return axes if axes and set(axes) <= manual else None
+
+
+# ---- lax collective -> jaxcoll collective (None: leave the equation as it is) ----
+
+def _reduce(op: str):
+  def rule(opts, invals, params):
+    axes = _manual(params["axes"])
+    if axes is None or params.get("axis_index_groups") is not None:
+      return None
+    return [collectives.all_reduce(x, axes, op=op, **opts.wire_for(x),
+                                   algorithm=opts.algorithm_for("all_reduce", axes))
+            for x in invals]
+  return rule
+
+
+def _all_gather(to: str):
+  def rule(opts, invals, params):
+    axes = _manual(params["axis_name"])
+    if axes is None or params.get("axis_index_groups") is not None:
+      return None
+    (x,) = invals
+    return [collectives.all_gather(x, axes, axis=params["all_gather_dimension"],
+                                   tiled=params["tiled"], to=to, **opts.wire_for(x),
+                                   algorithm=opts.algorithm_for("all_gather", axes))]
+  return rule
+
+
+def _reduce_scatter(opts, invals, params):
+  axes = _manual(params["axis_name"])
+  if axes is None or params.get("axis_index_groups") is not None:
+    return None
+  (x,) = invals
+  return [collectives.reduce_scatter(x, axes, scatter_dimension=params["scatter_dimension"],
+                                     tiled=params["tiled"], **opts.wire_for(x),
+                                     algorithm=opts.algorithm_for("reduce_scatter", axes))]
+
+
+def _all_to_all(opts, invals, params):
+  """The primitive splits ``split_axis`` into N blocks and concatenates them along
+  ``concat_axis`` whatever its ``tiled`` flag (lax.all_to_all reshapes around it)."""
+  axes = _manual(params["axis_name"])
+  if axes is None or params.get("axis_index_groups") is not None:
+    return None
+  (x,) = invals
+  return [collectives.all_to_all(x, axes, params["split_axis"], params["concat_axis"],
+                                 tiled=True, algorithm=opts.algorithm_for("all_to_all", axes))]
+
+
+def shift_of(perm, n: int) -> tuple[int, bool] | None:
+  """``(offset, wrap)`` when ``perm`` sends every rank i to i + offset (mod n with wrap;
+  without wrap, every rank whose destination exists), else None."""
+  perm = sorted((int(s), int(d)) for s, d in perm)
+  if not perm:
+    return None
+  offset = perm[0][1] - perm[0][0]
+  if perm == [(i, (i + offset) % n) for i in range(n)]:
+    return offset % n, True
+  if perm == [(i, i + offset) for i in range(n) if 0 <= i + offset < n]:
+    return offset, False
+  return None
+
+
+def _ppermute(opts, invals, params):
+  axes = _manual(params["axis_name"])
+  if axes is None:
+    return None
+  names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+  axes = tuple(sorted(axes, key=names.index))   # ppermute reads perm in mesh order
+  found = shift_of(params["perm"], int(np.prod([lax.axis_size(a) for a in axes])))
+  if found is None:
+    return None
+  offset, wrap = found
+  (x,) = invals
+  return [collectives.shift(x, axes, offset, wrap=wrap,
+                            algorithm=opts.algorithm_for("shift", axes))]
+
+
+COLLECTIVES: dict[str, Callable] = {
+    "psum": _reduce("sum"), "psum_invariant": _reduce("sum"),
+    "pmax": _reduce("max"), "pmin": _reduce("min"),
+    "all_gather": _all_gather("varying"), "all_gather_invariant": _all_gather("invarying"),
+    "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all, "ppermute": _ppermute,
+}
+
+
+# ---- higher-order primitives, rebuilt with jax's public API around eval_jaxpr ----
+
+def _shard_map(opts, eqn, invals):
+  p = eqn.params
+  body = _evaluator(opts, p["jaxpr"])
+  return jax.shard_map(lambda *a: tuple(body(*a)), mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
+                       out_specs=tuple(p["out_specs"]), check_vma=p["check_vma"],
+                       axis_names=set(p["newly_manual_axes"]))(*invals)
+
+
+def _jit(opts, eqn, invals):
+  p = eqn.params
+  body = _evaluator(opts, p["jaxpr"])
+
+  def fn(*args):
+    return tuple(body(*args))
+
+  fn.__name__ = p.get("name", "jit")
+  donate = tuple(i for i, d in enumerate(p.get("donated_invars", ())) if d)
+  return jax.jit(fn, donate_argnums=donate, keep_unused=p.get("keep_unused", False))(*invals)
+
+
+def _scan(opts, eqn, invals):
+  p = eqn.params
+  consts, carry = compat.scan_counts(p)
+  body = _evaluator(opts, p["jaxpr"])
+  c, init, xs = invals[:consts], invals[consts:consts + carry], invals[consts + carry:]
+
+  def step(carry_in, x):
+    out = body(*c, *carry_in, *x)
+    return tuple(out[:carry]), tuple(out[carry:])
+
+  carry_out, ys = lax.scan(step, tuple(init), tuple(xs), length=p["length"],
+                           reverse=p["reverse"], unroll=p["unroll"])
+  return [*carry_out, *ys]
+
+
+def _while(opts, eqn, invals):
+  p = eqn.params
+  nc, nb = p["cond_nconsts"], p["body_nconsts"]
+  cond, body = _evaluator(opts, p["cond_jaxpr"]), _evaluator(opts, p["body_jaxpr"])
+  cc, bc, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
+  return list(lax.while_loop(lambda v: cond(*cc, *v)[0], lambda v: tuple(body(*bc, *v)),
+                             tuple(init)))
+
+
+def _cond(opts, eqn, invals):
+  branches = [_evaluator(opts, b) for b in eqn.params["branches"]]
+  index, *ops = invals
+  return list(lax.switch(index, [lambda *a, b=b: tuple(b(*a)) for b in branches], *ops))
+
+
+def _checkpoint(opts, eqn, invals):
+  p = eqn.params
+  body = _evaluator(opts, p["jaxpr"])
+  return list(jax.checkpoint(lambda *a: tuple(body(*a)), prevent_cse=p["prevent_cse"],
+                             policy=p["policy"])(*invals))
+
+
+def _custom_jvp(opts, eqn, invals):
+  """The primal is the rewritten body; the tangent is jax.jvp of the original equation
+  (the user's rule), rewritten too."""
+  body, original = _evaluator(opts, eqn.params["call_jaxpr"]), _bound(eqn)
+
+  @jax.custom_jvp
+  def fn(*args):
+    return tuple(body(*args))
+
+  @fn.defjvp
+  def _(primals, tangents):
+    return rewrite(lambda p, t: jax.jvp(original, p, t), opts)(tuple(primals), tuple(tangents))
+
+  return list(fn(*invals))
+
+
+def _custom_vjp(opts, eqn, invals):
+  """The primal is the rewritten body; forward and backward are jax.vjp of the original
+  equation (the user's fwd and bwd), each rewritten."""
+  body, original = _evaluator(opts, eqn.params["call_jaxpr"]), _bound(eqn)
+
+  @jax.custom_vjp
+  def fn(*args):
+    return tuple(body(*args))
+
+  def fwd(*args):
+    return rewrite(lambda *a: jax.vjp(original, *a), opts)(*args)
+
+  def bwd(vjp_fn, cts):
+    return tuple(rewrite(vjp_fn, opts)(cts))
+
+  fn.defvjp(fwd, bwd)
+  return list(fn(*invals))
+
+
+HIGHER_ORDER: dict[str, Callable] = {
+    "shard_map": _shard_map, "jit": _jit, "pjit": _jit, "scan": _scan, "while": _while,
+    "cond": _cond, "checkpoint": _checkpoint, "remat2": _checkpoint,
+    "custom_jvp_call": _custom_jvp, "custom_vjp_call": _custom_vjp,
+    "custom_vjp_call_jaxpr": _custom_vjp,
+}
+
+
+# ---- the evaluator ----
+
+def _bind(eqn, invals):
+  out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _bound(eqn):
+  """The equation as a function of its inputs, exactly as it was (a tuple of outputs)."""
+  return lambda *args: tuple(_bind(eqn, args))
+
+
+def eval_jaxpr(opts: _Options, jaxpr, consts, args) -> list:
+  """Evaluates ``jaxpr`` on ``args`` with the rewrite rules (jax.core.eval_jaxpr's loop)."""
+  env = {}
+
+  def read(v):
+    return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+
+  for var, val in zip(jaxpr.constvars, consts):
+    env[var] = val
+  for var, val in zip(jaxpr.invars, args):
+    env[var] = val
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    out = None
+    with eqn.ctx.manager:
+      if name in COLLECTIVES:
+        out = COLLECTIVES[name](opts, invals, eqn.params)
+      elif name in HIGHER_ORDER:
+        out = HIGHER_ORDER[name](opts, eqn, invals)
+      if out is None:
+        out = _bind(eqn, invals)
+    for var, val in zip(eqn.outvars, out):
+      if not isinstance(var, jax.extend.core.DropVar):
+        env[var] = val
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _evaluator(opts: _Options, sub) -> Callable:
+  """A sub-jaxpr (closed on jax 0.10, open on 0.12) as a function of its inputs."""
+  jaxpr, consts = compat.open_jaxpr(sub)
+  return lambda *args: eval_jaxpr(opts, jaxpr, consts, args)
+
+
+def rewrite(fun: Callable, opts: _Options) -> Callable:
+  """``fun`` traced to a jaxpr and evaluated with the rewrite rules; same pytrees in and out."""
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    flat, in_tree = jax.tree.flatten((args, kwargs))
+
+    def flat_fun(*leaves):
+      a, k = jax.tree.unflatten(in_tree, leaves)
+      return fun(*a, **k)
+
+    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat)
+    with config_lib.config() if opts.profile is None else config_lib.config(profile=opts.profile):
+      out = eval_jaxpr(opts, closed.jaxpr, closed.consts, flat)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), out)
+  return wrapped
+
+
+def use(fun: Callable | None = None, *, algorithm="auto", wire_dtype=None, profile=None):
+  """Runs ``fun``'s lax collectives as jaxcoll collectives (a function transformation).
+
+  Every ``psum`` (and its invariant form; ``pmean`` is a psum and a divide), ``pmax``,
+  ``pmin``, ``all_gather``, ``psum_scatter``, ``all_to_all`` and every ``ppermute`` that is
+  a shift (i -> i + k, wrapped or not) over shard_map axes becomes ``jaxcoll.all_reduce``,
+  ``all_gather``, ``reduce_scatter``, ``all_to_all`` or ``shift`` with the same semantics:
+  same shapes, dtypes and typing (invariant where lax's is), results within reduction-order
+  tolerance, lax's gradients. The rewrite reaches into shard_map, nested jit, scan, while,
+  cond, checkpoint/remat (the policy kept) and custom_jvp/custom_vjp functions (primal and
+  rules); every other equation runs as it was.
+
+  Usable as ``use(f)``, ``use(f, algorithm="ring")``, ``@use`` and ``@use(algorithm=...)``.
+
+  Args:
+    fun: the function (arguments: pytrees of arrays).
+    algorithm: "auto" (the cost model, per call); a name, used by every primitive that
+      offers it ("ring": all_reduce, reduce_scatter, all_gather; the others "auto"); or a
+      mapping ``{primitive: algorithm}`` (unnamed primitives: "auto").
+    wire_dtype: compress every floating all_reduce, reduce_scatter and all_gather
+      (``jaxcoll.WIRE_DTYPES``); None sends values as they are.
+    profile: the cost model's :class:`jaxcoll.Profile` (or preset name) while ``fun`` is
+      traced; None keeps ``jaxcoll.config``'s.
+
+  Collectives that XLA inserts by itself under ``jax.jit`` sharding propagation do not
+  appear in a jaxpr; write the step with ``jax.shard_map`` to make them visible.
+  """
+  opts = _Options(algorithm, wire_dtype, profile)
+  if fun is None:
+    return lambda f: rewrite(f, opts)
+  return rewrite(fun, opts)
