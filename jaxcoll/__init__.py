@@ -1,6 +1,6 @@
 """jaxcoll: custom collective communication for JAX, built from ppermute schedules."""
 
-from jaxcoll import distributed, kernels
+from jaxcoll import distributed, kernels, optax
 from jaxcoll._src.algorithms import algorithms, schedule
 from jaxcoll._src.calibrate import calibrate
 from jaxcoll._src.collectives import (
@@ -15,7 +15,10 @@ from jaxcoll._src.collectives import (
 from jaxcoll._src.config import config
 from jaxcoll._src.dispatch import Hierarchical
 from jaxcoll._src.explain import Explanation, explain
+from jaxcoll._src.integrations.data_parallel import data_parallel
+from jaxcoll._src.integrations.per_device import PerDevice
 from jaxcoll._src.integrations.rewrite import use
+from jaxcoll._src.integrations.sync import sync_gradients, sync_in_backward
 from jaxcoll._src.profile import Link, NativeTimes, Profile
 from jaxcoll._src.schedule import PRIMITIVES, AxisTraffic, Schedule, Step, Transfer
 from jaxcoll._src.table import Table
@@ -31,6 +34,7 @@ __all__ = (
     "Hierarchical",
     "Link",
     "NativeTimes",
+    "PerDevice",
     "Profile",
     "Schedule",
     "Step",
@@ -44,12 +48,16 @@ __all__ = (
     "broadcast",
     "calibrate",
     "config",
+    "data_parallel",
     "distributed",
     "explain",
     "kernels",
+    "optax",
     "reduce",
     "reduce_scatter",
     "schedule",
     "shift",
+    "sync_gradients",
+    "sync_in_backward",
     "use",
 )

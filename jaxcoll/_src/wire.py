@@ -102,6 +102,16 @@ class WireFormat:
     """Rows must be a multiple of this long (1 for bfloat16)."""
     return self.block_length(row_length) if self.scaled else 1
 
+  def round_trip(self, x):
+    """decode(encode(x)) in x's shape and dtype: the value one send of x delivers, with
+    blocks of ``block_size`` consecutive values of the flattened x (the last one padded).
+    ``x - round_trip(x)`` is the local compression error that error feedback keeps."""
+    flat = jnp.ravel(x).astype(jnp.float32)
+    b = self.block_length(flat.size) if self.scaled else 1
+    rows = jnp.pad(flat, (0, -flat.size % b))[None]
+    out = decode(self, *encode(self, rows))[0, :flat.size]
+    return out.reshape(jnp.shape(x)).astype(x.dtype)
+
 
 def wire_format(wire_dtype, dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> WireFormat | None:
   """The format for ``wire_dtype`` on ``dtype`` data; None where it sends ``dtype`` unchanged."""
@@ -117,6 +127,15 @@ def wire_format(wire_dtype, dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> Wire
   if not fmt.scaled and dtype.itemsize <= fmt.dtype.itemsize:
     raise ValueError(f"wire_dtype={name!r} is not smaller than x's dtype {dtype.name}")
   return fmt
+
+
+def compresses(wire_dtype, dtype) -> bool:
+  """Whether ``wire_dtype`` compresses ``dtype`` data: floating data wider than an unscaled
+  format (bfloat16), any floating data for a block-scaled one. Integers never compress."""
+  if wire_dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    return False
+  fmt = WireFormat(np.dtype(getattr(ml_dtypes, str(wire_dtype), wire_dtype)).name)
+  return fmt.scaled or np.dtype(dtype).itemsize > fmt.dtype.itemsize
 
 
 def pow2(e):

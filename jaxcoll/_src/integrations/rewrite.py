@@ -70,12 +70,9 @@ class _Options:
     return name
 
   def wire_for(self, x) -> dict:
-    """``wire_dtype=`` for a floating leaf wider than the format (the rest travel as they are)."""
-    w = self.wire
-    if w is None or not jax.numpy.issubdtype(x.dtype, jax.numpy.floating) or (
-        not w.scaled and x.dtype.itemsize <= w.dtype.itemsize):
-      return {}
-    return {"wire_dtype": w.name}
+    """``wire_dtype=`` for a leaf the format compresses (the rest travel as they are)."""
+    return {"wire_dtype": self.wire.name} if self.wire and wire_lib.compresses(
+        self.wire.name, x.dtype) else {}
 
 
 def _manual(axes) -> tuple[str, ...] | None:

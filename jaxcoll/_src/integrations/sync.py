@@ -1,0 +1,157 @@
+"""Data-parallel gradient sync: :func:`sync_gradients` and :func:`sync_in_backward`.
+
+Both reduce a pytree bucket by bucket (:mod:`buckets`): one ``jaxcoll.all_reduce`` per
+bucket of leaves of one dtype, in reverse leaf order. ``sync_gradients`` runs after
+backward; ``sync_in_backward`` is an identity on the parameters whose VJP reduces each
+bucket's cotangents as soon as backward has produced them, so the reduction of the last
+layers' gradients can run while backward still works on the first layers (DDP's autograd
+hooks; Megatron's ``overlap_grad_reduce``).
+
+Inside ``shard_map(check_vma=True)``, ``jax.grad`` with respect to parameters that are
+invariant over the axis already sums their gradients (the transpose of jax's implicit
+invariant-to-varying cast). :func:`sync_gradients` refuses such leaves (summing again would
+be wrong); differentiate through :func:`sync_in_backward` instead, which takes the place of
+that implicit sum, or run the step with ``check_vma=False`` (as :func:`data_parallel` does).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcoll._src import axes as axes_lib
+from jaxcoll._src import ops
+from jaxcoll._src import wire as wire_lib
+from jaxcoll._src.collectives import all_reduce
+from jaxcoll._src.integrations import buckets
+from jaxcoll._src.replicated import check_vma_enabled, make_varying
+
+BUCKET_BYTES = 25 * 2**20       # DDP's bucket_cap_mb=25
+FIRST_BUCKET_BYTES = 2**20      # DDP's first bucket (1 MB), so the first reduce starts early
+
+
+def _check_leaves(tree, axes, op: str, argument: str) -> list:
+  """The leaves as arrays; errors name the leaf (its pytree path) and what was expected."""
+  paths, out = jax.tree_util.tree_flatten_with_path(tree)[0], []
+  vma = check_vma_enabled(axes)
+  for path, leaf in paths:
+    leaf = jnp.asarray(leaf)
+    where = f"{argument}{jax.tree_util.keystr(path)}"
+    try:
+      ops.check_op(op, leaf.dtype)
+    except ValueError as e:
+      raise ValueError(f"{where} (dtype {leaf.dtype}): {e}") from None
+    if vma and not set(axes) <= set(jax.typeof(leaf).mat.varying):
+      raise ValueError(
+          f"{where} is already invariant over {axes}: inside shard_map(check_vma=True) jax "
+          "sums the gradients of replicated parameters itself, so syncing them again would "
+          "count them twice. Differentiate through jaxcoll.sync_in_backward(params, "
+          f"{axes[0] if len(axes) == 1 else axes!r}) instead, or use check_vma=False")
+    out.append(leaf)
+  return out
+
+
+def _reduce_bucket(bucket: buckets.Bucket, leaves, out, axis_name, op, algorithm, wire_dtype,
+                   accumulate_dtype) -> None:
+  floating = jnp.issubdtype(bucket.dtype, jnp.floating)
+  synced = all_reduce(
+      buckets.pack(bucket, leaves), axis_name, op=op, algorithm=algorithm,
+      wire_dtype=wire_dtype if wire_lib.compresses(wire_dtype, bucket.dtype) else None,
+      accumulate_dtype=accumulate_dtype if floating else None)
+  buckets.unpack(bucket, synced, out)
+
+
+def sync_gradients(grads, axis_name, *, op: str = "mean", bucket_bytes: int = BUCKET_BYTES,
+                   first_bucket_bytes: int = FIRST_BUCKET_BYTES, algorithm="auto",
+                   wire_dtype=None, accumulate_dtype=None):
+  """All-reduces a gradient pytree over ``axis_name``, bucket by bucket (inside shard_map).
+
+  Equal to ``jax.tree.map(lambda g: lax.pmean(g, axis_name), grads)`` (``op="sum"``:
+  psum) within reduction-order tolerance, with the same structure, shapes and dtypes
+  (integer leaves averaged come back float32, as from pmean). Leaves are grouped by dtype
+  and packed, last leaf first, into buckets of about ``bucket_bytes`` (the first of each
+  dtype ``first_bucket_bytes``); each bucket is one ``jaxcoll.all_reduce``. Cost: per
+  bucket of B bytes, the all_reduce's (ring: 2(N-1) steps, 2(N-1)/N B bytes per device);
+  buckets instead of leaves cut the per-collective cost (alpha) from once per leaf to once
+  per bucket.
+
+  Args:
+    grads: any pytree of arrays (dicts, lists, registered dataclasses, optax states);
+      zero-size and scalar leaves included.
+    axis_name: the data-parallel mesh axis (or tuple) of the enclosing shard_map.
+    op: "mean" (gradients of per-device mean losses) or "sum"; "max", "min" and "prod"
+      are allowed too.
+    bucket_bytes, first_bucket_bytes: bucket sizes (DDP: 25 MiB and 1 MiB).
+    algorithm: the all_reduce algorithm (``jaxcoll.algorithms("all_reduce")`` or "auto").
+    wire_dtype: compress floating buckets on the wire (``jaxcoll.WIRE_DTYPES``); integer
+      buckets travel as they are.
+    accumulate_dtype: e.g. "float32" for bfloat16 gradients (Megatron's
+      ``grad_reduce_in_fp32``); applies to floating buckets.
+  """
+  axes = axes_lib.normalize(axis_name)
+  leaves = _check_leaves(grads, axes, op, "grads")
+  out = list(leaves)
+  for bucket in buckets.plan(leaves, bucket_bytes, first_bucket_bytes):
+    _reduce_bucket(bucket, leaves, out, axis_name, op, algorithm, wire_dtype, accumulate_dtype)
+  return jax.tree.unflatten(jax.tree.structure(grads), out)
+
+
+def sync_in_backward(params, axis_name, *, op: str = "mean", bucket_bytes: int = BUCKET_BYTES,
+                     first_bucket_bytes: int = FIRST_BUCKET_BYTES, algorithm="auto",
+                     wire_dtype=None, accumulate_dtype=None):
+  """The identity on ``params`` whose VJP syncs the cotangents bucket by bucket.
+
+  ``loss = loss_fn(jaxcoll.sync_in_backward(params, "data"), batch)``: then ``jax.grad``
+  of the loss returns gradients synced as by :func:`sync_gradients` (same options), each
+  bucket's all_reduce issued as soon as backward has produced that bucket's cotangents,
+  not after the whole backward pass. Inside ``shard_map(check_vma=True)`` the parameters
+  leave typed varying (so jax adds no sum of its own) and their gradients come back with
+  the parameters' own typing (invariant for replicated parameters).
+  """
+  axes = axes_lib.normalize(axis_name)
+  leaves = [jnp.asarray(x) for x in jax.tree.leaves(params)]
+  options = (("op", op), ("algorithm", algorithm), ("wire_dtype", wire_dtype),
+             ("accumulate_dtype", None if accumulate_dtype is None
+              else np.dtype(accumulate_dtype).name))
+  for leaf in leaves:
+    ops.check_op(op, leaf.dtype)
+  out = list(leaves)
+  # only inexact leaves have cotangents (integers get float0 ones, nothing to sync)
+  inexact = [x if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.zeros((0,), x.dtype)
+             for x in leaves]
+  for bucket in buckets.plan(inexact, bucket_bytes, first_bucket_bytes):
+    if not jnp.issubdtype(bucket.dtype, jnp.inexact):
+      continue
+    members = tuple(leaves[i] for i in bucket.leaves)
+    varying = tuple(bool(set(axes) <= set(jax.typeof(x).mat.varying)) for x in members)
+    synced = _synced_identity(members, axis_name, options, varying)
+    for i, value in zip(bucket.leaves, synced):
+      out[i] = value
+  return jax.tree.unflatten(jax.tree.structure(params), out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _synced_identity(xs, axis_name, options, varying):
+  axes = axes_lib.normalize(axis_name)
+  return tuple(make_varying(x, axes) if check_vma_enabled(axes) else x for x in xs)
+
+
+def _synced_identity_fwd(xs, axis_name, options, varying):
+  return _synced_identity(xs, axis_name, options, varying), None
+
+
+def _synced_identity_bwd(axis_name, options, varying, _, cts):
+  axes = axes_lib.normalize(axis_name)
+  cts = list(cts)
+  out = list(cts)
+  opts = dict(options)
+  bucket = buckets.plan(cts, bucket_bytes=2**62)[0]   # the one bucket these leaves form
+  _reduce_bucket(bucket, cts, out, axis_name, opts["op"], opts["algorithm"],
+                 opts["wire_dtype"], opts["accumulate_dtype"])
+  return (tuple(make_varying(o, axes) if v else o for o, v in zip(out, varying)),)
+
+
+_synced_identity.defvjp(_synced_identity_fwd, _synced_identity_bwd)
