@@ -4,6 +4,7 @@
   sudo python benchmarks/emulated_cluster.py --rate 1gbit --calibrate 256K,1M,4M,16M
   sudo python benchmarks/emulated_cluster.py --rate 250mbit --ops all_reduce --sizes 64M \
       --algorithms ring,hierarchical,native --wire bfloat16,float8_e4m3fn,int8
+  sudo python benchmarks/emulated_cluster.py --rate 250mbit -- COMMAND ...
 
 Builds two network namespaces joined by a veth pair, each end rate-limited with
 ``tc qdisc tbf`` (``--rate``, default 1gbit; burst 512 KiB, latency 50 ms), runs one
@@ -19,7 +20,10 @@ pairwise exchange), the link utilisation (those bytes / time / rate), busbw as a
 fraction of the link rate, and the ratio to native. ``--wire`` also runs every
 scheduled algorithm with compressed messages (labelled ``ring [int8]``): the link
 bytes shrink by the format's ratio, and the report adds each row's error relative
-to the native result and the speedup over the uncompressed ring. Needs root (ip, tc).
+to the native result and the speedup over the uncompressed ring. With a command after
+``--``, that command runs as the two ranks instead of the bench (it joins the job with
+``jaxcoll.distributed.initialize()``; e.g. ``benchmarks/bench_grad_sync.py --child
+--processes 2 --step``). Needs root (ip, tc).
 """
 
 from __future__ import annotations
@@ -156,6 +160,7 @@ def main(argv=None) -> int:
   parser.add_argument("--calibrate", default=None, metavar="SIZES",
                       help="calibrate on the emulated cluster first (auto uses that profile)")
   parser.add_argument("--timeout", type=float, default=5400)
+  parser.add_argument("command", nargs="*", help="after --: run this as the two ranks instead")
   args = parser.parse_args(argv)
   if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
     raise SystemExit("needs root and iproute2's ip and tc")
@@ -168,6 +173,12 @@ def main(argv=None) -> int:
   signal.signal(signal.SIGTERM, _interrupt)   # so the namespaces are deleted on kill too
   rows = []
   with tempfile.TemporaryDirectory() as tmp, Namespaces(args.rate) as ns:
+    ranks = dict(processes=2, devices_per_process=4, timeout=args.timeout,
+                 coordinator=f"{ns.addresses[0]}:29500", rank_prefix=[ns.prefix(0), ns.prefix(1)],
+                 local_addresses=list(ns.addresses))
+    if args.command:
+      print(f"## 2 nodes x 4 CPU devices, link {args.rate} each way (tbf)", flush=True)
+      return launch(args.command, **ranks)
     for op in args.ops.split(","):
       valid = jaxcoll.algorithms(op, num_axes=2)
       algos = [a for a in args.algorithms.split(",") if a in valid or a == "auto"]
@@ -183,10 +194,7 @@ def main(argv=None) -> int:
         bench += ["--calibrate", args.calibrate]
       if args.wire and op in WIRE_PRIMITIVES:
         bench += ["--wire", args.wire, "--check"]
-      code = launch(bench, processes=2, devices_per_process=4, timeout=args.timeout,
-                    coordinator=f"{ns.addresses[0]}:29500", rank_prefix=[ns.prefix(0),
-                                                                        ns.prefix(1)],
-                    local_addresses=list(ns.addresses))
+      code = launch(bench, **ranks)
       if code:
         return code
       with open(out) as f:

@@ -266,3 +266,25 @@ def test_bucket_reduces_are_scheduled_between_backward_matmuls():
   assert hooked.count("while") == 12, hooked
   assert hooked[:last_dot].count("while") >= 3, hooked
   assert after == hooked
+
+
+def test_params_stay_bit_identical_on_every_device_over_compressed_steps():
+  params, batch = mlp_problem(5)
+  tx = optax.chain(jaxcoll.optax.sync(AXIS, wire_dtype="int8", algorithm="ring"),
+                   optax.adam(1e-2))
+
+  def body(p, xb, yb):
+    state = tx.init(p)
+    for _ in range(4):
+      grads = jax.grad(mlp_loss)(p, (xb, yb))
+      updates, state = tx.update(grads, state, p)
+      p = optax.apply_updates(p, updates)
+    return jax.tree.map(lambda v: v[None], p)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh(), in_specs=(P(), P(AXIS), P(AXIS)),
+                            out_specs=P(AXIS), check_vma=False))
+  out = f(params, *batch)
+  for leaf, start in zip(jax.tree.leaves(out), jax.tree.leaves(params)):
+    bits = np.asarray(leaf).view(np.uint32)
+    np.testing.assert_array_equal(bits, np.broadcast_to(bits[0], bits.shape))
+    assert not np.array_equal(np.asarray(leaf[0]), start)   # the steps did move them

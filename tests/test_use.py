@@ -23,17 +23,18 @@ FORCED = {"all_reduce": "ring", "reduce_scatter": "ring", "all_gather": "ring",
 MESH = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
 
 
-def primitives(jaxpr) -> list[str]:
-  """Names of every equation's primitive in a jaxpr and all its sub-jaxprs."""
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  out = []
-  for eqn in jaxpr.eqns:
-    out.append(eqn.primitive.name)
+def eqns(jaxpr):
+  """Every equation of a jaxpr and of all its sub-jaxprs (cond branches included)."""
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+    yield eqn
     for v in eqn.params.values():
       for sub in v if isinstance(v, (tuple, list)) else (v,):
         if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-          out += primitives(sub)
-  return out
+          yield from eqns(sub)
+
+
+def primitives(jaxpr) -> list[str]:
+  return [e.primitive.name for e in eqns(jaxpr)]
 
 
 def cv_psum(v):
@@ -164,7 +165,7 @@ def test_what_use_leaves_alone():
   x = inputs(3)
   g = jaxcoll.use(f, algorithm=FORCED)
   chex.assert_trees_all_close(jax.jit(g)(x), jax.jit(f)(x))
-  perms = [e.params["perm"] for e in _eqns(jax.make_jaxpr(g)(x)) if e.primitive.name == "ppermute"]
+  perms = [e.params["perm"] for e in eqns(jax.make_jaxpr(g)(x)) if e.primitive.name == "ppermute"]
   assert [tuple(map(tuple, p)) for p in perms] == [perm]
 
 
@@ -191,16 +192,8 @@ def test_checkpoint_policy_is_kept():
   policy = jax.checkpoint_policies.nothing_saveable
   f = sharded(BODIES["remat"])
   jaxpr = jax.make_jaxpr(jaxcoll.use(f, algorithm=FORCED))(inputs())
-  found = []
-
-  def walk(j):
-    for eqn in getattr(j, "jaxpr", j).eqns:
-      if eqn.primitive.name in ("checkpoint", "remat2", "remat"):
-        found.append(eqn.params["policy"])
-      for v in eqn.params.values():
-        if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns"):
-          walk(v)
-  walk(jaxpr)
+  found = [e.params["policy"] for e in eqns(jaxpr)
+           if e.primitive.name in ("checkpoint", "remat2", "remat")]
   assert found == [policy]
 
 
@@ -212,17 +205,8 @@ def test_wire_dtype_compresses_floating_collectives():
   err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
   assert 0 < err < 0.05
   jaxpr = jax.make_jaxpr(g)(x)
-  dtypes = {str(e.invars[0].aval.dtype) for e in _eqns(jaxpr) if e.primitive.name == "ppermute"}
+  dtypes = {str(e.invars[0].aval.dtype) for e in eqns(jaxpr) if e.primitive.name == "ppermute"}
   assert "uint8" in dtypes and "int32" in dtypes   # int8 values and exponents packed as bytes
-
-
-def _eqns(jaxpr):
-  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-    yield eqn
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, (tuple, list)) else (v,):
-        if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-          yield from _eqns(sub)
 
 
 @pytest.mark.parametrize("perm,n,want", [

@@ -1,0 +1,189 @@
+"""Gradient sync of a 200-leaf model: per-leaf lax.pmean against jaxcoll's bucketed sync.
+
+The model's gradients: 150 leaves of 256 floats, 46 of 64x64, 4 of 512x512 (4.8 MB of
+float32), on 8 devices over one axis "data":
+  --processes 1: 8 CPU devices in one process;
+  --processes 2: 2 processes x 4 devices on loopback, gloo (jaxcoll.launch).
+Timed side by side (``jaxcoll._src.timing.interleaved``: rounds in rotated order,
+medians): per-leaf ``lax.pmean``; ``jaxcoll.sync_gradients`` (auto, ring, int8 wire);
+per-leaf ``jaxcoll.all_reduce(op="mean")`` (auto, ring). Columns: collectives in the
+compiled HLO (all-reduce ops + collective-permutes, loops counted once), median time, and
+the ratio to per-leaf lax.pmean. Process 0 prints a markdown table.
+
+  python benchmarks/bench_grad_sync.py --processes 1
+  python benchmarks/bench_grad_sync.py --processes 2
+
+``--step`` times whole data-parallel training steps instead (gradient, sync, SGD update) of
+a model of ``--step-mib`` MiB of float32 weights (default 16: layers of 1024x1024) on the
+mesh ("node", "local") = 2x4, the sync over both axes: per-leaf lax.pmean against
+jaxcoll's sync (auto; hierarchical; ring and hierarchical with int8 on the wire, error
+feedback on). Across two emulated nodes on a slow link:
+
+  sudo python benchmarks/emulated_cluster.py --rate 250mbit -- \
+      python benchmarks/bench_grad_sync.py --child --processes 2 --step
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+
+SHAPES = [(256,)] * 150 + [(64, 64)] * 46 + [(512, 512)] * 4
+
+
+def child(args) -> int:
+  if args.processes > 1:
+    from jaxcoll import distributed
+    distributed.initialize()
+  else:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+  import jax
+  import numpy as np
+  from jax import lax
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jaxcoll
+  from jaxcoll._src import timing
+
+  if args.step:
+    return step_child(args, jax, np, lax, jaxcoll, timing)
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  n = mesh.size
+  rng = np.random.default_rng(0)
+  host = [rng.standard_normal((n, *s)).astype(np.float32) for s in SHAPES]
+  sharding = NamedSharding(mesh, P("data"))
+  grads = [jax.make_array_from_callback(g.shape, sharding, lambda idx, g=g: g[idx])
+           for g in host]
+  nbytes = sum(g[0].nbytes for g in host)
+
+  ways = {
+      "per-leaf lax.pmean": lambda t: [lax.pmean(g, "data") for g in t],
+      "sync_gradients (auto)": lambda t: jaxcoll.sync_gradients(t, "data"),
+      "sync_gradients (ring)": lambda t: jaxcoll.sync_gradients(t, "data", algorithm="ring"),
+      "sync_gradients (ring, int8 wire)": lambda t: jaxcoll.sync_gradients(
+          t, "data", algorithm="ring", wire_dtype="int8"),
+      "per-leaf jaxcoll.all_reduce (auto)": lambda t: [
+          jaxcoll.all_reduce(g, "data", op="mean") for g in t],
+      "per-leaf jaxcoll.all_reduce (ring)": lambda t: [
+          jaxcoll.all_reduce(g, "data", op="mean", algorithm="ring") for g in t],
+  }
+  ways = {k: v for k, v in ways.items() if not args.only or any(o in k for o in args.only)}
+  programs, counts = {}, {}
+  for name, fn in ways.items():
+    f = jax.jit(jax.shard_map(lambda t, fn=fn: [g[None] for g in fn([g[0] for g in t])],
+                              mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    compiled = f.lower(grads).compile()
+    text = compiled.as_text()
+    counts[name] = (len(re.findall(r"\ball-reduce(?:-start)?\(", text)),
+                    len(re.findall(r"\bcollective-permute(?:-start)?\(", text)))
+    programs[name] = compiled
+
+  def call(c):
+    return lambda: jax.block_until_ready(c(grads))
+
+  times = timing.interleaved([call(programs[k]) for k in ways], reps=args.reps,
+                             min_seconds=args.min_seconds)
+  med = {k: statistics.median(t) for k, t in zip(ways, times)}
+  if jax.process_index() == 0:
+    base = med.get("per-leaf lax.pmean")
+    print(f"{jax.process_count()} process(es), {n} devices, {len(SHAPES)} leaves, "
+          f"{nbytes / 2**20:.2f} MiB of float32 gradients per device, jax {jax.__version__}; "
+          f"medians of {len(times[0])} interleaved rounds")
+    print("| sync | all-reduces in HLO | collective-permutes in HLO | time "
+          "| per-leaf pmean / this |")
+    print("|---|---:|---:|---:|---:|")
+    for k in ways:
+      ratio = f"{base / med[k]:.2f}x" if base else "-"
+      print(f"| {k} | {counts[k][0]} | {counts[k][1]} | {med[k] * 1e3:.2f} ms | {ratio} |")
+  return 0
+
+
+def step_child(args, jax, np, lax, jaxcoll, timing) -> int:
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  axes = ("node", "local")
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), axes)
+  layers = max(1, round(args.step_mib * 2**20 / (1024 * 1024 * 4)))
+  rng = np.random.default_rng(0)
+  params = [rng.standard_normal((1024, 1024)).astype(np.float32) / 32 for _ in range(layers)]
+  x = rng.standard_normal((8 * 16, 1024)).astype(np.float32)
+
+  def loss(ps, xb):
+    for w in ps:
+      xb = jnp.tanh(xb @ w)
+    return jnp.mean(xb ** 2)
+
+  hier = jaxcoll.Hierarchical()
+  syncs = {
+      "per-leaf lax.pmean": None,
+      "sync_gradients (auto)": dict(algorithm="auto"),
+      "sync_gradients (hierarchical)": dict(algorithm=hier),
+      "optax.sync (ring, int8 + EF)": dict(algorithm="ring", wire_dtype="int8"),
+      "optax.sync (hierarchical, int8 + EF)": dict(algorithm=hier, wire_dtype="int8"),
+  }
+  programs = {}
+  for name, opts in syncs.items():
+    sgd = optax.sgd(1e-3)
+    tx = sgd if opts is None else optax.chain(jaxcoll.optax.sync(axes, **opts), sgd)
+
+    def body(ps, state, xb, tx=tx, opts=opts):
+      grads = jax.grad(loss)(ps, xb)
+      if opts is None:
+        grads = [lax.pmean(g, axes) for g in grads]
+      local = jax.tree.map(lambda v: v[0], state)
+      updates, local = tx.update(grads, local, ps)
+      return optax.apply_updates(ps, updates), jax.tree.map(lambda v: v[None], local)
+
+    state = jax.tree.map(lambda v: np.broadcast_to(v, (8, *v.shape)), tx.init(params))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axes), P(axes)),
+                              out_specs=(P(), P(axes)), check_vma=False))
+    programs[name] = (f, state)
+
+  def call(f, state):
+    return lambda: jax.block_until_ready(f(params, state, x))
+
+  times = timing.interleaved([call(*programs[k]) for k in syncs], reps=args.reps,
+                             min_seconds=args.min_seconds)
+  med = {k: statistics.median(t) for k, t in zip(syncs, times)}
+  if jax.process_index() == 0:
+    base = med["per-leaf lax.pmean"]
+    print(f"{jax.process_count()} process(es), mesh 2x4 (node, local), {layers} layers of "
+          f"1024x1024: {layers * 4} MiB of float32 gradients per device, jax "
+          f"{jax.__version__}; whole training steps, medians of {len(times[0])} rounds")
+    print("| sync | step time | per-leaf pmean / this |")
+    print("|---|---:|---:|")
+    for k in syncs:
+      print(f"| {k} | {med[k] * 1e3:.1f} ms | {base / med[k]:.2f}x |")
+  return 0
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--processes", type=int, default=1, choices=(1, 2))
+  parser.add_argument("--reps", type=int, default=10, help="fewest timed rounds")
+  parser.add_argument("--min-seconds", type=float, default=5.0,
+                      help="more rounds until they take about this long")
+  parser.add_argument("--only", nargs="*", default=[], help="run the ways whose name has this")
+  parser.add_argument("--step", action="store_true", help="time whole data-parallel steps")
+  parser.add_argument("--step-mib", type=float, default=16.0)
+  parser.add_argument("--timeout", type=float, default=3000)
+  parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.processes == 1 or args.child:
+    return child(args)
+  from jaxcoll.launch import launch
+  forwarded = list(argv if argv is not None else sys.argv[1:])
+  return launch([sys.executable, os.path.abspath(__file__), *forwarded, "--child"], processes=2,
+                devices_per_process=4, timeout=args.timeout)
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
