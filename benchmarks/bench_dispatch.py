@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 from jaxcoll.bench import parse_size
@@ -153,10 +152,8 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.processes == 1 or args.child:
     return child(args)
-  from jaxcoll.launch import launch
-  forwarded = list(argv if argv is not None else sys.argv[1:])
-  return launch([sys.executable, os.path.abspath(__file__), *forwarded, "--child"], processes=2,
-                devices_per_process=4, timeout=args.timeout)
+  from jaxcoll.launch import launch_script
+  return launch_script(__file__, argv, processes=2, devices_per_process=4, timeout=args.timeout)
 
 
 if __name__ == "__main__":

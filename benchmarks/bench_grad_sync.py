@@ -29,7 +29,6 @@ import argparse
 import os
 import re
 import statistics
-import sys
 
 SHAPES = [(256,)] * 150 + [(64, 64)] * 46 + [(512, 512)] * 4
 
@@ -179,10 +178,8 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.processes == 1 or args.child:
     return child(args)
-  from jaxcoll.launch import launch
-  forwarded = list(argv if argv is not None else sys.argv[1:])
-  return launch([sys.executable, os.path.abspath(__file__), *forwarded, "--child"], processes=2,
-                devices_per_process=4, timeout=args.timeout)
+  from jaxcoll.launch import launch_script
+  return launch_script(__file__, argv, processes=2, devices_per_process=4, timeout=args.timeout)
 
 
 if __name__ == "__main__":

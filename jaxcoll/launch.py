@@ -159,6 +159,16 @@ def launch(command: Sequence[str], processes: int = 2, devices_per_process: int 
   return code
 
 
+def launch_script(script: str, argv: Sequence[str] | None = None, processes: int = 2,
+                  devices_per_process: int = 4, *, timeout: float = 1800.0,
+                  child_flag: str = "--child") -> int:
+  """Runs ``python script argv... --child`` as the ranks of a local job: how a benchmark
+  re-runs itself under the launcher (``argv`` defaults to this process's arguments)."""
+  forwarded = list(argv if argv is not None else sys.argv[1:])
+  return launch([sys.executable, os.path.abspath(script), *forwarded, child_flag],
+                processes=processes, devices_per_process=devices_per_process, timeout=timeout)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if "--" not in argv:
