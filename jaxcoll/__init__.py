@@ -1,6 +1,6 @@
 """jaxcoll: custom collective communication for JAX, built from ppermute schedules."""
 
-from jaxcoll import distributed, kernels, optax
+from jaxcoll import distributed, kernels, moe, optax
 from jaxcoll._src.algorithms import algorithms, schedule
 from jaxcoll._src.calibrate import calibrate
 from jaxcoll._src.collectives import (
@@ -52,6 +52,7 @@ __all__ = (
     "distributed",
     "explain",
     "kernels",
+    "moe",
     "optax",
     "reduce",
     "reduce_scatter",

@@ -1,0 +1,236 @@
+"""Expert-parallel mixture of experts: routing, dispatch and combine over a mesh axis.
+
+Experts are laid out ``num_experts / N`` per device over the axis (device r owns experts
+r * E_local ... (r + 1) * E_local - 1). Every device routes its own T tokens:
+
+1. :func:`route`: top-k experts per token and their gates (GShard / Switch).
+2. :func:`dispatch`: each (token, choice) pair gets a slot in its expert's buffer of
+   ``capacity`` slots per source device. Slots are a cumulative sum over a one-hot mask
+   in choice-major order (every token's first choice before any second choice), so no
+   sort; pairs beyond capacity are dropped and counted. The buffers ``[E, C, d]`` go to
+   the experts' owners in one all-to-all (any jaxcoll algorithm), arriving as
+   ``[E_local, N * C, d]``: for each local expert, C slots from device 0, then device 1, ...
+3. The caller applies its local experts to that buffer.
+4. :func:`combine`: the reverse all-to-all, then each token sums its kept choices'
+   outputs weighted by their gates; dropped pairs add zero.
+
+``algorithm="allgather"`` (MaxText's ring of experts) gathers every device's tokens and
+routing instead (an all_gather of T * d values per device), fills the same
+``[E_local, N * C, d]`` buffers locally, and combines with a reduce_scatter of the
+per-source partial sums: no all-to-all, better when k is large.
+
+Costs per device, with M = T * d * itemsize: the all-to-all dispatch sends
+(N-1)/N * E * C * d * itemsize bytes (direct: N-1 steps), as does combine; allgather
+sends (N-1) * M forward (all_gather) and (N-1)/N * N * M back (reduce_scatter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxcoll._src import axes as axes_lib
+from jaxcoll._src.collectives import all_gather, all_to_all, reduce_scatter
+
+ALLGATHER = "allgather"
+
+
+def capacity(tokens: int, num_experts: int, k: int, factor: float = 1.0, *,
+             multiple: int = 1) -> int:
+  """Slots per expert per source device: ceil(k * tokens * factor / num_experts), rounded
+  up to a multiple of ``multiple`` (GShard's formula)."""
+  for name, v in (("tokens", tokens), ("num_experts", num_experts), ("k", k),
+                  ("multiple", multiple)):
+    if not isinstance(v, (int, np.integer)) or v < (0 if name == "tokens" else 1):
+      least = "a non-negative" if name == "tokens" else "a positive"
+      raise ValueError(f"capacity: {name}={v!r} must be {least} int")
+  if not factor > 0:
+    raise ValueError(f"capacity: factor={factor!r} must be > 0")
+  slots = math.ceil(k * tokens * factor / num_experts)
+  return -(-slots // multiple) * multiple
+
+
+def route(logits, k: int, *, renormalize: bool = True):
+  """Top-k routing: ``(expert_ids [T, k] int32, gates [T, k])``.
+
+  Gates are the softmax probabilities (computed in float32) of the chosen experts, in
+  descending order, renormalised to sum to 1 over the k choices unless
+  ``renormalize=False``; they have the logits' dtype.
+  """
+  logits = jnp.asarray(logits)
+  if logits.ndim != 2:
+    raise ValueError(f"route: logits must be [tokens, experts], got shape {logits.shape}")
+  if not 1 <= k <= logits.shape[1]:
+    raise ValueError(f"route: k={k} must be in [1, {logits.shape[1]}] (the number of experts)")
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  gates, ids = lax.top_k(probs, k)
+  if renormalize:
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+  return ids.astype(jnp.int32), gates.astype(logits.dtype)
+
+
+def load_balancing_loss(logits, expert_ids):
+  """Switch's auxiliary loss E * sum_e f_e * P_e: f_e the fraction of (token, choice) pairs
+  routed to expert e, P_e the mean router probability of e (1.0 when balanced)."""
+  num_experts = logits.shape[-1]
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  routed = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32)   # [T, k, E]
+  fraction = jnp.mean(jnp.sum(routed, axis=1), axis=0) / expert_ids.shape[-1]
+  return num_experts * jnp.sum(fraction * jnp.mean(probs, axis=0))
+
+
+def router_z_loss(logits):
+  """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2."""
+  return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RoutingState:
+  """What :func:`combine` needs, and what dispatch measured.
+
+  Attributes:
+    expert_ids: [T, k] the chosen experts.
+    slots: [T, k] each pair's slot in its expert's buffer from this device (capacity
+      where dropped).
+    kept: [T, k] bool, whether the pair got a slot.
+    counts: [E] pairs routed from this device to each expert (before dropping).
+    dropped: int32 scalar, pairs this device dropped.
+    num_experts, capacity, axis_name, algorithm: the dispatch's static arguments.
+  """
+
+  expert_ids: jax.Array
+  slots: jax.Array
+  kept: jax.Array
+  counts: jax.Array
+  dropped: jax.Array
+  num_experts: int = dataclasses.field(metadata={"static": True})
+  capacity: int = dataclasses.field(metadata={"static": True})
+  axis_name: object = dataclasses.field(metadata={"static": True})
+  algorithm: object = dataclasses.field(metadata={"static": True})
+
+
+def _slots(expert_ids, num_experts: int, capacity_: int):
+  """Slot of every (token, choice) pair, choice-major (all first choices first)."""
+  t, k = expert_ids.shape
+  onehot = jax.nn.one_hot(expert_ids.T.reshape(-1), num_experts, dtype=jnp.int32)  # [k*T, E]
+  position = jnp.cumsum(onehot, axis=0) - 1
+  slot = jnp.sum(position * onehot, axis=1).reshape(k, t).T                       # [T, k]
+  kept = slot < capacity_
+  return jnp.where(kept, slot, capacity_), kept, jnp.sum(onehot, axis=0)
+
+
+def _scatter(x, expert_ids, slots, num_experts: int, capacity_: int):
+  """[E, C, d] buffers holding each kept pair's token (dropped pairs land outside)."""
+  t, k = expert_ids.shape
+  rows = jnp.broadcast_to(x[:, None, :], (t, k, x.shape[-1]))
+  buf = jnp.zeros((num_experts, capacity_, x.shape[-1]), x.dtype)
+  return buf.at[expert_ids, slots].set(rows, mode="drop")
+
+
+def _gather(buf, expert_ids, slots, kept, gates):
+  """sum_j gates[t, j] * buf[expert_ids[t, j], slots[t, j]] over kept pairs: [T, d]."""
+  picked = buf.at[expert_ids, slots].get(mode="fill", fill_value=0)       # [T, k, d]
+  weights = jnp.where(kept, gates, jnp.zeros_like(gates)).astype(picked.dtype)
+  return jnp.einsum("tk,tkd->td", weights, picked)
+
+
+def _check(x, expert_ids, num_experts, capacity_, n):
+  if x.ndim != 2:
+    raise ValueError(f"dispatch: x must be this device's tokens [T, d], got shape {x.shape}")
+  if expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
+    raise ValueError(f"dispatch: expert_ids must be [T, k] with T = {x.shape[0]}, got shape "
+                     f"{expert_ids.shape}")
+  if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+    raise ValueError(f"dispatch: expert_ids must be integers, got {expert_ids.dtype}")
+  if not isinstance(num_experts, (int, np.integer)) or num_experts < 1 or num_experts % n:
+    raise ValueError(f"dispatch: num_experts={num_experts!r} must be a positive multiple of the "
+                     f"axis size {n}")
+  if not isinstance(capacity_, (int, np.integer)) or capacity_ < 1:
+    raise ValueError(f"dispatch: capacity={capacity_!r} must be a positive int "
+                     "(jaxcoll.moe.capacity computes GShard's)")
+
+
+def dispatch(x, expert_ids, *, num_experts: int, capacity: int, axis_name,
+             algorithm="auto", wire_dtype=None):
+  """Sends each token to the devices that own its k experts.
+
+  Args:
+    x: this device's tokens ``[T, d]``.
+    expert_ids: ``[T, k]`` int, from :func:`route`.
+    num_experts: E, a multiple of the axis size N; device r owns experts
+      r * E/N ... (r+1) * E/N - 1.
+    capacity: C, slots per expert for each source device (:func:`capacity`); pairs beyond
+      it are dropped (first choices of every token are placed before second choices).
+    axis_name: the expert-parallel mesh axis (or tuple, e.g. ("node", "local")).
+    algorithm: an all_to_all algorithm ("auto", "direct", "bruck", "hierarchical",
+      "native") or "allgather" (module docstring).
+    wire_dtype: compress the dispatch exchange (``jaxcoll.WIRE_DTYPES``); combine sends
+      in the activation dtype.
+
+  Returns:
+    ``(expert_inputs [E/N, N * C, d], state)``: for each local expert, C slots from each
+    source device in device order (empty slots are zero), and a :class:`RoutingState`.
+  """
+  axes = axes_lib.normalize(axis_name)
+  n = axes_lib.size(axes)
+  x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
+  _check(x, expert_ids, num_experts, capacity, n)
+  local = num_experts // n
+  slots, kept, counts = _slots(expert_ids, num_experts, capacity)
+  state = RoutingState(expert_ids.astype(jnp.int32), slots, kept, counts,
+                       jnp.sum(~kept).astype(jnp.int32), int(num_experts), int(capacity),
+                       axis_name, algorithm)
+  d = x.shape[-1]
+  if algorithm == ALLGATHER:
+    xs = all_gather(x, axis_name, wire_dtype=wire_dtype)                 # [N, T, d]
+    ids = all_gather(expert_ids.astype(jnp.int32), axis_name)            # [N, T, k]
+    me = lax.axis_index(axes)
+
+    def fill(xi, ei):
+      s, _, _ = _slots(ei, num_experts, capacity)
+      mine = ei // local == me
+      return _scatter(xi, jnp.where(mine, ei % local, local), s, local, capacity)
+    buf = jax.vmap(fill)(xs, ids)                                         # [N, E/N, C, d]
+  else:
+    buf = _scatter(x, expert_ids, slots, num_experts, capacity).reshape(n, local, capacity, d)
+    options = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
+    buf = all_to_all(buf, axis_name, 0, 0, tiled=True, algorithm=algorithm, **options)
+  return jnp.swapaxes(buf, 0, 1).reshape(local, n * capacity, d), state
+
+
+def combine(expert_outputs, state: RoutingState, gates):
+  """Each token's k expert outputs, weighted by ``gates`` ``[T, k]``: ``[T, d]``.
+
+  ``expert_outputs`` has :func:`dispatch`'s layout ``[E/N, N * C, d]``. Dropped pairs
+  contribute zero (``state.dropped`` counts them). The exchange runs in the outputs'
+  dtype; its algorithm is the dispatch's.
+  """
+  axes = axes_lib.normalize(state.axis_name)
+  n = axes_lib.size(axes)
+  local, c = state.num_experts // n, state.capacity
+  y = jnp.asarray(expert_outputs)
+  if y.shape[:2] != (local, n * c):
+    raise ValueError(f"combine: expert_outputs must be [{local}, {n * c}, d] (dispatch's "
+                     f"layout), got shape {y.shape}")
+  d = y.shape[-1]
+  y = jnp.swapaxes(y.reshape(local, n, c, d), 0, 1)                       # [N, E/N, C, d]
+  if state.algorithm == ALLGATHER:
+    ids = all_gather(state.expert_ids, state.axis_name)                  # [N, T, k]
+    g = all_gather(gates, state.axis_name)
+    me = lax.axis_index(axes)
+
+    def partial_sum(yi, ei, gi):
+      s, kept, _ = _slots(ei, state.num_experts, c)
+      mine = ei // local == me
+      return _gather(yi, jnp.where(mine, ei % local, 0), s, kept & mine, gi)
+    partial = jax.vmap(partial_sum)(y, ids, g)                            # [N, T, d]
+    return reduce_scatter(partial, state.axis_name, scatter_dimension=0, tiled=True)[0]
+  back = all_to_all(y, state.axis_name, 0, 0, tiled=True, algorithm=state.algorithm)
+  back = back.reshape(state.num_experts, c, d)
+  return _gather(back, state.expert_ids, state.slots, state.kept, gates)
