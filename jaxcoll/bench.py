@@ -113,7 +113,7 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
       every row gets its predicted time.
     min_seconds: more rounds per size until they have taken this long.
     progress: a progress bar on stderr (process 0, tqdm when installed).
-    wire: compressed wire formats (all_reduce, reduce_scatter, all_gather): every
+    wire: compressed wire formats (all_reduce, reduce_scatter, all_gather, all_to_all): every
       scheduled algorithm also runs with each, labelled ``ring [int8]``. The
       inputs are then standard normal (not small integers), and ``check`` records
       each row's largest error relative to the native result's largest magnitude.

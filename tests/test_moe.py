@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import jaxcoll
 from jaxcoll import moe
 
 D = 8
@@ -197,3 +198,28 @@ def test_errors_name_the_argument():
     moe.route(jnp.zeros((3, 4)), 7)
   with pytest.raises(ValueError, match="factor=0"):
     moe.capacity(10, 4, 1, 0)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("algorithm", ["direct", "bruck", "allgather"])
+@pytest.mark.parametrize("wire", ["bfloat16", "int8", "float8_e4m3fn"])
+def test_compressed_dispatch_within_the_wire_bound(algorithm, wire):
+  n, t, e, k = 4, 16, 8, 2
+  mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+  rng = np.random.default_rng(11)
+  x = rng.standard_normal((n, t, 64)).astype(np.float32)
+  logits = rng.standard_normal((n, t, e)).astype(np.float32)
+
+  def body(x, logits, w):
+    ids, _ = moe.route(logits[0], k)
+    h, _ = moe.dispatch(x[0], ids, num_experts=e, capacity=t * k, axis_name="x",
+                        algorithm=algorithm, wire_dtype=w)
+    return h[None]
+
+  run = lambda w: np.asarray(jax.jit(jax.shard_map(
+      lambda a, b: body(a, b, w), mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x, logits))
+  exact, compressed = run(None), run(wire)
+  hops = 1 if algorithm == "allgather" else jaxcoll.schedule("all_to_all", algorithm, n).num_steps
+  bound = hops * jaxcoll.WireFormat(wire).relative_error * np.abs(x).max()
+  err = np.abs(compressed - exact).max()
+  assert 0 < err <= bound, (err, bound)

@@ -198,6 +198,25 @@ def test_reduce_scatter_and_all_gather_compressed(name):
     assert np.all(err <= eps * amax * (1 + 1e-6)), algorithm
 
 
+@pytest.mark.parametrize("name", FORMATS)
+def test_all_to_all_compressed_within_one_encode_per_hop(name):
+  """Own blocks exact; every other block within the format's bound times its hops."""
+  n = 4
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((n, n * 2 * B)).astype(np.float32)
+  eps = jaxcoll.WireFormat(name).relative_error
+  want = x.reshape(n, n, -1).transpose(1, 0, 2)          # device r gets block r of each
+  for algorithm in algos("all_to_all"):
+    y = np.asarray(per_device(lambda v, a=algorithm: jaxcoll.all_to_all(
+        v, "x", 0, 0, tiled=True, algorithm=a, wire_dtype=name), n)(x)).reshape(n, n, -1)
+    hops = jaxcoll.schedule("all_to_all", algorithm, n).num_steps
+    for r in range(n):
+      np.testing.assert_array_equal(y[r, r], want[r, r])
+      amax = np.abs(want[r]).reshape(n, -1, B).max(-1, keepdims=True)
+      err = np.abs(y[r] - want[r]).reshape(n, -1, B)
+      assert np.all(err <= hops * eps * amax * (1 + 1e-6)), (algorithm, r)
+
+
 def test_hierarchical_compressed_over_two_axes():
   mesh = jax.make_mesh((2, 4), ("node", "local"))
   x = np.random.default_rng(3).standard_normal((8, 4 * B)).astype(np.float32)

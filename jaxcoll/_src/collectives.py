@@ -318,13 +318,17 @@ def reduce(x, axis_name, *, root: int = 0, op: str = "sum", algorithm: str = "au
 
 
 def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool = False,
-               algorithm="auto"):
+               algorithm="auto", wire_dtype=None,
+               wire_block_size: int = wire_lib.DEFAULT_BLOCK_SIZE):
   """Device r sends block j of x along ``split_axis`` to device j (like ``lax.all_to_all``).
 
   ``tiled=False``: ``x.shape[split_axis]`` must equal N; the result has the
   same rank, block j (from device j) at index j of ``concat_axis``.
   ``tiled=True``: ``x.shape[split_axis]`` must be divisible by N; the blocks
-  received are concatenated along ``concat_axis``. Cost (direct): N-1 steps,
+  received are concatenated along ``concat_axis``. ``wire_dtype`` sends every block
+  compressed as in :func:`all_reduce` (a device's own block stays exact; each hop of the
+  others errs by at most ``WireFormat.relative_error`` of its block's largest magnitude).
+  Cost (direct): N-1 steps,
   (N-1)/N * M bytes per device; (bruck): ceil(log2 N) steps, about
   (N/2) log2 N * M/N; (hierarchical, over (outer, inner)): inner-1 + outer-1
   steps, outer-1 messages across the outer axis.
@@ -340,17 +344,22 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
     c = _normalize_dim(concat_axis, x.ndim, "concat_axis")
     extent = x.shape[s]
     _check_split(extent, n, tiled, f"split_axis={split_axis}: x.shape[{s}]")
-    algo, options = _resolve("all_to_all", algorithm, axes, x.nbytes)
+    fmt = _wire(wire_dtype, x.dtype, wire_block_size, None)
+    algo, options = _resolve("all_to_all", algorithm, axes, x.nbytes, dtype=x.dtype, wire=fmt)
     if algo == NATIVE:
       return lax.all_to_all(x, axes, s, c, tiled=tiled)
-    moved = jnp.moveaxis(make_varying(x, axes), s, 0)
-    sched, rows = _run("all_to_all", algo, n, moved.reshape(-1), axes, options=options)
-    y = layout.from_rows(jnp, rows, sched, moved.size)
-    y = jnp.moveaxis(y.reshape((n, extent // n) + moved.shape[1:]), 1, s + 1)  # [source, piece]
-    if not tiled:
-      return jnp.moveaxis(jnp.squeeze(y, s + 1), 0, c)
-    y = jnp.moveaxis(y, 0, c)
-    return y.reshape(y.shape[:c] + (n * y.shape[c + 1],) + y.shape[c + 2:])
+
+    def run(x, wire):
+      moved = jnp.moveaxis(make_varying(x, axes), s, 0)
+      sched, rows = _run("all_to_all", algo, n, moved.reshape(-1), axes, options=options,
+                         wire=wire)
+      y = layout.from_rows(jnp, rows, sched, moved.size).astype(x.dtype)
+      y = jnp.moveaxis(y.reshape((n, extent // n) + moved.shape[1:]), 1, s + 1)  # [source, .]
+      if not tiled:
+        return jnp.moveaxis(jnp.squeeze(y, s + 1), 0, c)
+      y = jnp.moveaxis(y, 0, c)
+      return y.reshape(y.shape[:c] + (n * y.shape[c + 1],) + y.shape[c + 2:])
+    return _straight_through(run, x, fmt, linear=True)
 
   return _map_leaves(leaf, x)
 
@@ -408,7 +417,7 @@ def flat_call(primitive: str, x, axis_name, algorithm="auto", *, root: int = 0,
   axis 0. What calibrate and the benchmarks time."""
   wire = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
   if primitive == "all_to_all":
-    return all_to_all(x, axis_name, 0, 0, tiled=True, algorithm=algorithm)
+    return all_to_all(x, axis_name, 0, 0, tiled=True, algorithm=algorithm, **wire)
   if primitive in ("reduce_scatter", "all_gather"):
     fn = reduce_scatter if primitive == "reduce_scatter" else all_gather
     return fn(x, axis_name, tiled=True, algorithm=algorithm, **wire)

@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 
 WIRE_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
-WIRE_PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather")   # take wire_dtype=
+WIRE_PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")   # take wire_dtype=
 DEFAULT_BLOCK_SIZE = 256
 _SCALED = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 _EPS = {"bfloat16": 2.0 ** -8, "int8": 1 / 127, "float8_e4m3fn": 2.0 ** -4 + 2.0 ** -18,
