@@ -27,6 +27,7 @@ sends (N-1) * M forward (all_gather) and (N-1)/N * N * M back (reduce_scatter).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -35,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from jaxcoll._src import axes as axes_lib
-from jaxcoll._src.collectives import all_gather, all_to_all, reduce_scatter
+from jaxcoll._src.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 
 ALLGATHER = "allgather"
 
@@ -53,6 +54,9 @@ def capacity(tokens: int, num_experts: int, k: int, factor: float = 1.0, *,
     raise ValueError(f"capacity: factor={factor!r} must be > 0")
   slots = math.ceil(k * tokens * factor / num_experts)
   return -(-slots // multiple) * multiple
+
+
+_balanced = capacity   # dispatch's ``capacity`` argument shadows the function
 
 
 def route(logits, k: int, *, renormalize: bool = True):
@@ -101,7 +105,11 @@ class RoutingState:
     kept: [T, k] bool, whether the pair got a slot.
     counts: [E] pairs routed from this device to each expert (before dropping).
     dropped: int32 scalar, pairs this device dropped.
-    num_experts, capacity, axis_name, algorithm: the dispatch's static arguments.
+    exchanged: int32 scalar, slots per (source, expert) buffer the exchange sent: the
+      capacity, or in dropless mode the chunks that hold tokens (the same on every device).
+    num_experts, capacity, axis_name, algorithm: the dispatch's static arguments
+      (dropless: capacity is T * k); chunk: the dropless exchange's chunk of slots (0
+      with a capacity).
   """
 
   expert_ids: jax.Array
@@ -109,10 +117,12 @@ class RoutingState:
   kept: jax.Array
   counts: jax.Array
   dropped: jax.Array
+  exchanged: jax.Array
   num_experts: int = dataclasses.field(metadata={"static": True})
   capacity: int = dataclasses.field(metadata={"static": True})
   axis_name: object = dataclasses.field(metadata={"static": True})
   algorithm: object = dataclasses.field(metadata={"static": True})
+  chunk: int = dataclasses.field(default=0, metadata={"static": True})
 
 
 def _slots(expert_ids, num_experts: int, capacity_: int):
@@ -140,6 +150,43 @@ def _gather(buf, expert_ids, slots, kept, gates):
   return jnp.einsum("tk,tkd->td", weights, picked)
 
 
+def _exchange(buf, state: RoutingState, wire_dtype=None):
+  """Block j of ``buf [N, E/N, C, d]`` to device j: one all_to_all, or in dropless mode a
+  loop over chunks of slots up to ``state.exchanged`` (:func:`_chunked_exchange`)."""
+  options = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
+  if not state.chunk:
+    return all_to_all(buf, state.axis_name, 0, 0, tiled=True, algorithm=state.algorithm,
+                      **options)
+  return _chunked_exchange(buf, state.exchanged // state.chunk, state.chunk, state.axis_name,
+                           state.algorithm, wire_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _chunked_exchange(buf, trips, chunk, axis_name, algorithm, wire_dtype):
+  """``trips`` all_to_alls of ``chunk`` slots each; the slots past them stay zero. The
+  exchange is its own transpose (block j <-> device j), so its VJP runs it on the
+  cotangent with the same trip count."""
+  options = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
+
+  def step(i, out):
+    piece = lax.dynamic_slice_in_dim(buf, i * chunk, chunk, axis=2)
+    sent = all_to_all(piece, axis_name, 0, 0, tiled=True, algorithm=algorithm, **options)
+    return lax.dynamic_update_slice_in_dim(out, sent.astype(out.dtype), i * chunk, axis=2)
+
+  return lax.fori_loop(0, trips, step, jnp.zeros_like(buf))
+
+
+def _chunked_exchange_fwd(buf, trips, chunk, axis_name, algorithm, wire_dtype):
+  return _chunked_exchange(buf, trips, chunk, axis_name, algorithm, wire_dtype), trips
+
+
+def _chunked_exchange_bwd(chunk, axis_name, algorithm, wire_dtype, trips, ct):
+  return _chunked_exchange(ct, trips, chunk, axis_name, algorithm, None), None
+
+
+_chunked_exchange.defvjp(_chunked_exchange_fwd, _chunked_exchange_bwd)
+
+
 def _check(x, expert_ids, num_experts, capacity_, n):
   if x.ndim != 2:
     raise ValueError(f"dispatch: x must be this device's tokens [T, d], got shape {x.shape}")
@@ -151,13 +198,13 @@ def _check(x, expert_ids, num_experts, capacity_, n):
   if not isinstance(num_experts, (int, np.integer)) or num_experts < 1 or num_experts % n:
     raise ValueError(f"dispatch: num_experts={num_experts!r} must be a positive multiple of the "
                      f"axis size {n}")
-  if not isinstance(capacity_, (int, np.integer)) or capacity_ < 1:
+  if capacity_ is not None and (not isinstance(capacity_, (int, np.integer)) or capacity_ < 1):
     raise ValueError(f"dispatch: capacity={capacity_!r} must be a positive int "
-                     "(jaxcoll.moe.capacity computes GShard's)")
+                     "(jaxcoll.moe.capacity computes GShard's) or None (dropless)")
 
 
-def dispatch(x, expert_ids, *, num_experts: int, capacity: int, axis_name,
-             algorithm="auto", wire_dtype=None):
+def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name,
+             algorithm="auto", wire_dtype=None, chunk: int | None = None):
   """Sends each token to the devices that own its k experts.
 
   Args:
@@ -167,11 +214,18 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int, axis_name,
       r * E/N ... (r+1) * E/N - 1.
     capacity: C, slots per expert for each source device (:func:`capacity`); pairs beyond
       it are dropped (first choices of every token are placed before second choices).
+      None: dropless. Buffers hold the worst case, C = T * k, but the exchange sends only
+      the chunks of ``chunk`` slots that hold tokens: ceil(m / chunk) all_to_alls, m the
+      largest count of pairs any device routes to one expert (a max over the axis, so
+      every device runs the same trips). Bytes on the wire follow the real load:
+      (N-1)/N * E * ceil(m / chunk) * chunk * d * itemsize per device.
     axis_name: the expert-parallel mesh axis (or tuple, e.g. ("node", "local")).
     algorithm: an all_to_all algorithm ("auto", "direct", "bruck", "hierarchical",
       "native") or "allgather" (module docstring).
     wire_dtype: compress the dispatch exchange (``jaxcoll.WIRE_DTYPES``); combine sends
       in the activation dtype.
+    chunk: dropless only: slots per exchanged chunk (default: the balanced load,
+      ``capacity(T, E, k)``).
 
   Returns:
     ``(expert_inputs [E/N, N * C, d], state)``: for each local expert, C slots from each
@@ -182,10 +236,22 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int, axis_name,
   x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
   _check(x, expert_ids, num_experts, capacity, n)
   local = num_experts // n
+  t, k = expert_ids.shape
+  dropless = capacity is None
+  if dropless:
+    capacity = t * k
+    chunk = _balanced(t, num_experts, k) if chunk is None else chunk
+    if not isinstance(chunk, (int, np.integer)) or not 1 <= chunk <= capacity:
+      raise ValueError(f"dispatch: chunk={chunk!r} must be an int in [1, T * k = {capacity}]")
   slots, kept, counts = _slots(expert_ids, num_experts, capacity)
+  if dropless and algorithm != ALLGATHER:
+    most = all_reduce(jnp.max(counts), axis_name, op="max")
+    exchanged = (most + chunk - 1) // chunk * chunk
+  else:
+    exchanged, chunk = jnp.int32(capacity), 0
   state = RoutingState(expert_ids.astype(jnp.int32), slots, kept, counts,
-                       jnp.sum(~kept).astype(jnp.int32), int(num_experts), int(capacity),
-                       axis_name, algorithm)
+                       jnp.sum(~kept).astype(jnp.int32), exchanged.astype(jnp.int32),
+                       int(num_experts), int(capacity), axis_name, algorithm, int(chunk))
   d = x.shape[-1]
   if algorithm == ALLGATHER:
     xs = all_gather(x, axis_name, wire_dtype=wire_dtype)                 # [N, T, d]
@@ -199,8 +265,7 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int, axis_name,
     buf = jax.vmap(fill)(xs, ids)                                         # [N, E/N, C, d]
   else:
     buf = _scatter(x, expert_ids, slots, num_experts, capacity).reshape(n, local, capacity, d)
-    options = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
-    buf = all_to_all(buf, axis_name, 0, 0, tiled=True, algorithm=algorithm, **options)
+    buf = _exchange(buf, state, wire_dtype)
   return jnp.swapaxes(buf, 0, 1).reshape(local, n * capacity, d), state
 
 
@@ -231,6 +296,5 @@ def combine(expert_outputs, state: RoutingState, gates):
       return _gather(yi, jnp.where(mine, ei % local, 0), s, kept & mine, gi)
     partial = jax.vmap(partial_sum)(y, ids, g)                            # [N, T, d]
     return reduce_scatter(partial, state.axis_name, scatter_dimension=0, tiled=True)[0]
-  back = all_to_all(y, state.axis_name, 0, 0, tiled=True, algorithm=state.algorithm)
-  back = back.reshape(state.num_experts, c, d)
+  back = _exchange(y, state).reshape(state.num_experts, c, d)
   return _gather(back, state.expert_ids, state.slots, state.kept, gates)
