@@ -269,12 +269,13 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
   return jnp.swapaxes(buf, 0, 1).reshape(local, n * capacity, d), state
 
 
-def combine(expert_outputs, state: RoutingState, gates):
+def combine(expert_outputs, state: RoutingState, gates, *, wire_dtype=None):
   """Each token's k expert outputs, weighted by ``gates`` ``[T, k]``: ``[T, d]``.
 
   ``expert_outputs`` has :func:`dispatch`'s layout ``[E/N, N * C, d]``. Dropped pairs
   contribute zero (``state.dropped`` counts them). The exchange runs in the outputs'
-  dtype; its algorithm is the dispatch's.
+  dtype unless ``wire_dtype`` compresses it too (DeepEP keeps combine in bfloat16: the
+  default, None, keeps the activations' precision); its algorithm is the dispatch's.
   """
   axes = axes_lib.normalize(state.axis_name)
   n = axes_lib.size(axes)
@@ -295,6 +296,7 @@ def combine(expert_outputs, state: RoutingState, gates):
       mine = ei // local == me
       return _gather(yi, jnp.where(mine, ei % local, 0), s, kept & mine, gi)
     partial = jax.vmap(partial_sum)(y, ids, g)                            # [N, T, d]
-    return reduce_scatter(partial, state.axis_name, scatter_dimension=0, tiled=True)[0]
-  back = _exchange(y, state).reshape(state.num_experts, c, d)
+    return reduce_scatter(partial, state.axis_name, scatter_dimension=0, tiled=True,
+                          wire_dtype=wire_dtype)[0]
+  back = _exchange(y, state, wire_dtype).reshape(state.num_experts, c, d)
   return _gather(back, state.expert_ids, state.slots, state.kept, gates)

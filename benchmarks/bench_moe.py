@@ -1,0 +1,115 @@
+"""MoE dispatch + combine per algorithm against the lax.all_to_all implementation.
+
+On the mesh ("node", "local") = 2x4, experts over both axes (E = 16, top-2, capacity
+factor 1.25, d = 1024, float32), T tokens per device:
+  --processes 1: 8 CPU devices in one process;
+  --processes 2: 2 processes x 4 devices on loopback, gloo (jaxcoll.launch).
+Each program runs ``jaxcoll.moe.dispatch`` then ``combine`` (no expert compute between, so
+the figure is the exchange alone); "native" is the lax.all_to_all implementation (the
+same routing, ``lax.all_to_all`` for both exchanges). Timed side by side
+(``timing.interleaved``, medians). Columns: time, ratio to native, and from the schedules
+the bytes one device sends across the node axis for dispatch + combine and the messages
+(steps) that cross it. Across two emulated nodes on a slow link:
+
+  sudo python benchmarks/emulated_cluster.py --rate 250mbit -- \\
+      python benchmarks/bench_moe.py --child --processes 2 --tokens 1024,4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+E, K, D, FACTOR = 16, 2, 1024, 1.25
+
+
+def child(args) -> int:
+  if args.processes > 1:
+    from jaxcoll import distributed
+    distributed.initialize()
+  else:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jaxcoll
+  from jaxcoll import moe
+  from jaxcoll._src import timing
+
+  axes = ("node", "local")
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), axes)
+  n = mesh.size
+  # (label, algorithm, dispatch wire, combine wire)
+  ways = [("native", "native", None, None), ("direct", "direct", None, None),
+          ("bruck", "bruck", None, None), ("hierarchical", "hierarchical", None, None),
+          ("allgather", "allgather", None, None),
+          ("direct [int8 dispatch]", "direct", "int8", None),
+          ("hierarchical [int8 dispatch]", "hierarchical", "int8", None),
+          ("direct [int8 both]", "direct", "int8", "int8"),
+          ("hierarchical [int8 both]", "hierarchical", "int8", "int8")]
+  ways = [w for w in ways if not args.only or any(o in w[0] for o in args.only)]
+  rows = []
+  for t in (int(v) for v in args.tokens.split(",")):
+    cap = moe.capacity(t, E, K, FACTOR)
+    rng = np.random.default_rng(t)
+    sharding = NamedSharding(mesh, P(axes))
+    x = jax.device_put(rng.standard_normal((n * t, D)).astype(np.float32), sharding)
+    logits = jax.device_put(rng.standard_normal((n * t, E)).astype(np.float32), sharding)
+    programs = []
+    for _, algorithm, wire, back in ways:
+      def body(xb, lb, algorithm=algorithm, wire=wire, back=back, cap=cap):
+        ids, gates = moe.route(lb, K)
+        h, state = moe.dispatch(xb, ids, num_experts=E, capacity=cap, axis_name=axes,
+                                algorithm=algorithm, wire_dtype=wire)
+        return moe.combine(h, state, gates, wire_dtype=back)
+      f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(axes)),
+                                out_specs=P(axes)))
+      programs.append(lambda f=f, x=x, logits=logits: jax.block_until_ready(f(x, logits)))
+    times = timing.interleaved(programs, reps=args.reps, min_seconds=args.min_seconds)
+    med = [statistics.median(v) for v in times]
+    buffer = E * cap * D * 4          # the [E, C, d] float32 buffer each exchange moves
+    for (name, algorithm, wire, back), m in zip(ways, med):
+      if algorithm == "allgather":
+        ag = jaxcoll.schedule("all_gather", "ring", n).traffic(t * D * 4 * n, (2, 4))
+        rs = jaxcoll.schedule("reduce_scatter", "ring", n).traffic(t * D * 4 * n, (2, 4))
+        across, msgs = ag[0].bytes + rs[0].bytes, ag[0].steps + rs[0].steps
+      else:
+        a2a = "direct" if algorithm == "native" else algorithm
+        opts = {"axis_sizes": (2, 4)} if a2a == "hierarchical" else {}
+        tr = jaxcoll.schedule("all_to_all", a2a, n, **opts).traffic(buffer, (2, 4))[0]
+        ratio = lambda w: jaxcoll.WireFormat(w).ratio(np.float32) if w else 1.0
+        across, msgs = tr.bytes * (ratio(wire) + ratio(back)), 2 * tr.steps
+      rows.append((t, name, m, m / med[0], across, msgs))
+  if jax.process_index() == 0:
+    print(f"{jax.process_count()} process(es), mesh 2x4 (node, local), E={E}, k={K}, d={D}, "
+          f"capacity factor {FACTOR}, jax {jax.__version__}; dispatch + combine, medians")
+    print("| tokens/device | algorithm | time | vs native | MiB across node | "
+          "messages across node |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for t, name, m, r, across, msgs in rows:
+      print(f"| {t} | {name} | {m * 1e3:.2f} ms | {r:.2f} | {across / 2**20:.2f} | {msgs} |")
+  return 0
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--processes", type=int, default=1, choices=(1, 2))
+  parser.add_argument("--tokens", default="256,1024,4096", help="tokens per device")
+  parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--min-seconds", type=float, default=2.0)
+  parser.add_argument("--only", nargs="*", default=[])
+  parser.add_argument("--timeout", type=float, default=3000)
+  parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.processes == 1 or args.child:
+    return child(args)
+  from jaxcoll.launch import launch_script
+  return launch_script(__file__, argv, processes=2, devices_per_process=4, timeout=args.timeout)
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
