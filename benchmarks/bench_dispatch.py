@@ -44,12 +44,6 @@ def _elements(primitive: str, nbytes: int) -> int:
 
 
 def child(args) -> int:
-  if args.processes > 1:
-    from jaxcoll import distributed
-    distributed.initialize()
-  else:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
   import jax
   import numpy as np
   from jax.sharding import NamedSharding
@@ -139,7 +133,6 @@ def child(args) -> int:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--processes", type=int, default=1, choices=(1, 2))
   parser.add_argument("--sizes", default=SIZES)
   parser.add_argument("--primitive", default="all_reduce",
                       choices=("all_reduce", "reduce_scatter", "all_gather", "all_to_all"))
@@ -147,13 +140,8 @@ def main(argv=None) -> int:
   parser.add_argument("--min-seconds", type=float, default=2.0,
                       help="more rounds per size until they take this long (small sizes)")
   parser.add_argument("--save-profile", default="", metavar="PATH")
-  parser.add_argument("--timeout", type=float, default=3000)
-  parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
-  if args.processes == 1 or args.child:
-    return child(args)
-  from jaxcoll.launch import launch_script
-  return launch_script(__file__, argv, processes=2, devices_per_process=4, timeout=args.timeout)
+  from jaxcoll.launch import benchmark
+  return benchmark(parser, child, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ feedback on). Across two emulated nodes on a slow link:
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 
@@ -34,12 +33,6 @@ SHAPES = [(256,)] * 150 + [(64, 64)] * 46 + [(512, 512)] * 4
 
 
 def child(args) -> int:
-  if args.processes > 1:
-    from jaxcoll import distributed
-    distributed.initialize()
-  else:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
   import jax
   import numpy as np
   from jax import lax
@@ -166,20 +159,14 @@ def step_child(args, jax, np, lax, jaxcoll, timing) -> int:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--processes", type=int, default=1, choices=(1, 2))
   parser.add_argument("--reps", type=int, default=10, help="fewest timed rounds")
   parser.add_argument("--min-seconds", type=float, default=5.0,
                       help="more rounds until they take about this long")
   parser.add_argument("--only", nargs="*", default=[], help="run the ways whose name has this")
   parser.add_argument("--step", action="store_true", help="time whole data-parallel steps")
   parser.add_argument("--step-mib", type=float, default=16.0)
-  parser.add_argument("--timeout", type=float, default=3000)
-  parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
-  if args.processes == 1 or args.child:
-    return child(args)
-  from jaxcoll.launch import launch_script
-  return launch_script(__file__, argv, processes=2, devices_per_process=4, timeout=args.timeout)
+  from jaxcoll.launch import benchmark
+  return benchmark(parser, child, __file__, argv)
 
 
 if __name__ == "__main__":

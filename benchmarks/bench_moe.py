@@ -18,19 +18,12 @@ the bytes one device sends across the node axis for dispatch + combine and the m
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 E, K, D, FACTOR = 16, 2, 1024, 1.25
 
 
 def child(args) -> int:
-  if args.processes > 1:
-    from jaxcoll import distributed
-    distributed.initialize()
-  else:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
   import jax
   import numpy as np
   from jax.sharding import Mesh, NamedSharding
@@ -97,18 +90,12 @@ def child(args) -> int:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--processes", type=int, default=1, choices=(1, 2))
   parser.add_argument("--tokens", default="256,1024,4096", help="tokens per device")
   parser.add_argument("--reps", type=int, default=5)
   parser.add_argument("--min-seconds", type=float, default=2.0)
   parser.add_argument("--only", nargs="*", default=[])
-  parser.add_argument("--timeout", type=float, default=3000)
-  parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
-  if args.processes == 1 or args.child:
-    return child(args)
-  from jaxcoll.launch import launch_script
-  return launch_script(__file__, argv, processes=2, devices_per_process=4, timeout=args.timeout)
+  from jaxcoll.launch import benchmark
+  return benchmark(parser, child, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -169,6 +169,27 @@ def launch_script(script: str, argv: Sequence[str] | None = None, processes: int
                 processes=processes, devices_per_process=devices_per_process, timeout=timeout)
 
 
+def benchmark(parser, child, script: str, argv: Sequence[str] | None = None) -> int:
+  """What every benchmark with ``--processes 1|2`` shares: adds ``--processes``,
+  ``--timeout`` and the hidden ``--child`` to ``parser``; with 1 process runs
+  ``child(args)`` here on 8 CPU devices; with 2, re-runs ``script`` as 2 ranks x 4 devices
+  (:func:`launch_script`), each of which joins the job and runs ``child(args)``.
+  Call it before JAX touches a device."""
+  parser.add_argument("--processes", type=int, default=1, choices=(1, 2))
+  parser.add_argument("--timeout", type=float, default=3000)
+  parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.processes > 1 and not args.child:
+    return launch_script(script, argv, processes=2, devices_per_process=4, timeout=args.timeout)
+  if args.processes > 1:
+    from jaxcoll import distributed
+    distributed.initialize()
+  else:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+  return child(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if "--" not in argv:
