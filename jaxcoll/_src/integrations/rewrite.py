@@ -72,19 +72,23 @@ class _Options:
         self.wire.name, x.dtype) else {}
 
 
-def _manual(axes) -> tuple[str, ...] | None:
-  """``axes`` as a tuple when every one is a manual (shard_map) axis here, else None."""
+def _manual(params, key: str = "axis_name") -> tuple[str, ...] | None:
+  """The equation's axes (``params[key]``) as a tuple when every one is a manual
+  (shard_map) axis here and no ``axis_index_groups`` are given, else None."""
+  axes = params[key]
   axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
   manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
-  return axes if axes and set(axes) <= manual else None
+  if not axes or not set(axes) <= manual or params.get("axis_index_groups") is not None:
+    return None
+  return axes
 
 
 # ---- lax collective -> jaxcoll collective (None: leave the equation as it is) ----
 
 def _reduce(op: str):
   def rule(opts, invals, params):
-    axes = _manual(params["axes"])
-    if axes is None or params.get("axis_index_groups") is not None:
+    axes = _manual(params, "axes")
+    if axes is None:
       return None
     return [collectives.all_reduce(x, axes, op=op, **opts.wire_for(x),
                                    algorithm=opts.algorithm_for("all_reduce", axes))
@@ -94,8 +98,8 @@ def _reduce(op: str):
 
 def _all_gather(to: str):
   def rule(opts, invals, params):
-    axes = _manual(params["axis_name"])
-    if axes is None or params.get("axis_index_groups") is not None:
+    axes = _manual(params)
+    if axes is None:
       return None
     (x,) = invals
     return [collectives.all_gather(x, axes, axis=params["all_gather_dimension"],
@@ -105,8 +109,8 @@ def _all_gather(to: str):
 
 
 def _reduce_scatter(opts, invals, params):
-  axes = _manual(params["axis_name"])
-  if axes is None or params.get("axis_index_groups") is not None:
+  axes = _manual(params)
+  if axes is None:
     return None
   (x,) = invals
   return [collectives.reduce_scatter(x, axes, scatter_dimension=params["scatter_dimension"],
@@ -117,8 +121,8 @@ def _reduce_scatter(opts, invals, params):
 def _all_to_all(opts, invals, params):
   """The primitive splits ``split_axis`` into N blocks and concatenates them along
   ``concat_axis`` whatever its ``tiled`` flag (lax.all_to_all reshapes around it)."""
-  axes = _manual(params["axis_name"])
-  if axes is None or params.get("axis_index_groups") is not None:
+  axes = _manual(params)
+  if axes is None:
     return None
   (x,) = invals
   return [collectives.all_to_all(x, axes, params["split_axis"], params["concat_axis"],
@@ -140,7 +144,7 @@ def shift_of(perm, n: int) -> tuple[int, bool] | None:
 
 
 def _ppermute(opts, invals, params):
-  axes = _manual(params["axis_name"])
+  axes = _manual(params)
   if axes is None:
     return None
   names = tuple(jax.sharding.get_abstract_mesh().axis_names)
