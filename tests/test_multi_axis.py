@@ -176,6 +176,7 @@ def test_hierarchical_per_axis_choice_runs_and_matches_lax():
       "all_reduce/pieces": jaxcoll.Hierarchical(("ring", "ring"), pieces=(4, 1)),
       "reduce_scatter/pieces": jaxcoll.Hierarchical(pieces=(3, 2)),
       "all_gather/pieces": jaxcoll.Hierarchical(pieces=(2, 1)),
+      "all_to_all/pieces": jaxcoll.Hierarchical(pieces=(4, 2)),
   }
   def inputs(v):
     return {"all_gather": v[:6]}.get

@@ -368,18 +368,26 @@ def test_in_pieces_gives_the_same_result_in_pieces_times_the_steps(primitive, al
     np.testing.assert_array_equal(got, want)
 
 
-def test_hierarchical_stage_pieces_cut_only_that_axis():
-  plain = jaxcoll.schedule("all_reduce", "hierarchical", 8, axis_sizes=(2, 4))
-  cut = jaxcoll.schedule("all_reduce", "hierarchical", 8, axis_sizes=(2, 4), stage_pieces=(8, 1))
+@pytest.mark.parametrize("primitive", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all"])
+@pytest.mark.parametrize("pieces", [(8, 1), (3, 2)])
+def test_hierarchical_stage_pieces_cut_only_that_axis(primitive, pieces):
+  plain = jaxcoll.schedule(primitive, "hierarchical", 8, axis_sizes=(2, 4))
+  cut = jaxcoll.schedule(primitive, "hierarchical", 8, axis_sizes=(2, 4), stage_pieces=pieces)
   (node0, local0), (node1, local1) = plain.traffic(1.0), cut.traffic(1.0)
-  assert (node1.steps, local1.steps) == (8 * node0.steps, local0.steps)
+  assert (node1.steps, local1.steps) == (pieces[0] * node0.steps, pieces[1] * local0.steps)
   assert (node1.bytes, local1.bytes) == pytest.approx((node0.bytes, local0.bytes))
-  xs = [np.arange(32) * (r + 1) for r in range(8)]
-  for got in cut.simulate(xs):
-    np.testing.assert_array_equal(got, np.sum(xs, 0))
+  assert cut.bytes_per_rank(1.0) == pytest.approx(plain.bytes_per_rank(1.0))
+  rng = np.random.default_rng(8)
+  size = 6 if primitive == "all_gather" else 48
+  xs = [rng.integers(-5, 5, size).astype(np.int64) for _ in range(8)]
+  for got, want in zip(cut.simulate(xs), plain.simulate(xs)):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_pieces_must_be_positive():
   with pytest.raises(ValueError, match="pieces"):
     jaxcoll.schedule("all_reduce", "hierarchical", 8, axis_sizes=(2, 4), stage_pieces=(0, 1))
   with pytest.raises(ValueError, match="pieces"):
-    jaxcoll.schedule("all_to_all", "hierarchical", 8, axis_sizes=(2, 4), stage_pieces=(2, 1))
+    jaxcoll.schedule("all_to_all", "hierarchical", 8, axis_sizes=(2, 4), stage_pieces=(2,))
   with pytest.raises(ValueError, match="pieces"):
-    plain.in_pieces(0)
+    jaxcoll.schedule("all_reduce", "ring", 8).in_pieces(0)

@@ -41,7 +41,7 @@ class Hierarchical:
   ``None`` entries (and ``algorithm="hierarchical"``) use the default, "ring"
   ("direct" for all_to_all). ``pieces=(8, 1)`` cuts the node stage's steps into
   8 pieces each (:meth:`Schedule.in_pieces`): the same bytes in smaller messages,
-  which a slow TCP link carries better (not for all_to_all).
+  which a slow TCP link carries better.
   """
 
   per_axis: tuple[str | None, ...] = ()

@@ -25,7 +25,9 @@ all_to_all: dimension-ordered routing, innermost axis first. A stage over axis
   messages of N/s_t blocks. On (node, local) this is NCCL's PXN: o - 1 messages
   cross the node link instead of (o-1)*i; bytes over outer stay (o-1)/o * M,
   and the inner axis carries (i-1)/i * M more. Blocks in flight live in
-  workspace rows, one region of N per stage but the last.
+  workspace rows, one region of N per stage but the last. ``stage_pieces`` cuts a
+  stage's steps after the whole schedule is built (every block in pieces, only
+  that stage's steps cut: :meth:`Schedule.in_pieces` with ``steps``).
 """
 
 from __future__ import annotations
@@ -183,15 +185,13 @@ def all_to_all(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> 
   free coordinates (source on ``done``, destination on the rest but t), so
   sender and receiver list them in the same order.
   """
-  shape, names, pieces = _check_shape(n, axis_sizes, per_axis, stage_pieces)
-  if any(p != 1 for p in pieces):
-    raise ValueError(f"pieces={stage_pieces}: a hierarchical all_to_all's stages cannot be cut "
-                     "into pieces (each stage forwards whole blocks)")
+  shape, names, cuts = _check_shape(n, axis_sizes, per_axis, stage_pieces)
   k = len(shape)
   out = k * n
   loc = {(s, d): d for s in range(n) for d in range(n)}   # row at the block's current holder
   rounds: Rounds = []
   done: list[int] = []
+  spans = []   # (axis, first step, end step) of each stage, in schedule order
   for stage, t in enumerate(range(k - 1, -1, -1)):
     sub = stage_schedule("all_to_all", names[t], shape[t])
     if sub.workspace_chunks or sub.blocks_per_rank != 1:
@@ -217,11 +217,16 @@ def all_to_all(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> 
           rows.append(moved[b])
         recv.append(tuple(rows))
       pieces.append(send + recv)
-    rounds += embed(sub, groups(shape, t), pieces)
+    stage_rounds = [r for r in embed(sub, groups(shape, t), pieces) if r]
+    spans.append((t, len(rounds), len(rounds) + len(stage_rounds)))
+    rounds += stage_rounds
     loc.update(moved)
     done.append(t)
-  return build("all_to_all", NAME, n, (k + 1) * n, rounds, axis_sizes=shape,
-               workspace_chunks=(k - 1) * n)
+  sched = build("all_to_all", NAME, n, (k + 1) * n, rounds, axis_sizes=shape,
+                workspace_chunks=(k - 1) * n)
+  for t, first, end in reversed(spans):   # later stages first: earlier indices stay put
+    sched = sched.in_pieces(cuts[t], steps=range(first, end))
+  return sched
 
 
 def _routed_block(shape, rc, t, rest, done, j, free, *, sending):
