@@ -36,22 +36,33 @@ def child(args) -> int:
   axes = ("node", "local")
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), axes)
   n = mesh.size
+  cut = jaxcoll.Hierarchical(pieces=tuple(int(p) for p in args.pieces.split(",")))
+  cut_name = f"hierarchical(pieces {args.pieces})"
+  exchanges = [("native", "native"), ("auto", "auto"), ("direct", "direct"), ("bruck", "bruck"),
+               ("hierarchical", "hierarchical"), (cut_name, cut), ("allgather", "allgather")]
+  wires = [(" [int8 dispatch]", "int8", None),
+           (" [int8 dispatch, bf16 combine]", "int8", "bfloat16"),   # DeepEP's split
+           (" [int8 both]", "int8", "int8")]
   # (label, algorithm, dispatch wire, combine wire)
-  ways = [("native", "native", None, None), ("direct", "direct", None, None),
-          ("bruck", "bruck", None, None), ("hierarchical", "hierarchical", None, None),
-          ("allgather", "allgather", None, None),
-          ("direct [int8 dispatch]", "direct", "int8", None),
-          ("hierarchical [int8 dispatch]", "hierarchical", "int8", None),
-          ("direct [int8 both]", "direct", "int8", "int8"),
-          ("hierarchical [int8 both]", "hierarchical", "int8", "int8")]
-  ways = [w for w in ways if not args.only or any(o in w[0] for o in args.only)]
-  rows = []
+  ways = [(name, a, None, None) for name, a in exchanges]
+  ways += [(name + tag, a, w, b) for tag, w, b in wires for name, a in exchanges
+           if name in ("direct", "hierarchical", cut_name)]
+  ways = [w for w in ways if not args.only or any(o == w[0].split(" [")[0] for o in args.only)]
+  if jax.process_index() == 0:
+    print(f"{jax.process_count()} process(es), mesh 2x4 (node, local), E={E}, k={K}, d={D}, "
+          f"capacity factor {FACTOR}, jax {jax.__version__}; dispatch + combine, medians")
+    print("| tokens/device | algorithm | time | vs native | MiB across node | "
+          "messages across node |")
+    print("|---:|---|---:|---:|---:|---:|", flush=True)
+  ratio = lambda w: jaxcoll.WireFormat(w).ratio(np.float32) if w else 1.0
   for t in (int(v) for v in args.tokens.split(",")):
     cap = moe.capacity(t, E, K, FACTOR)
     rng = np.random.default_rng(t)
     sharding = NamedSharding(mesh, P(axes))
     x = jax.device_put(rng.standard_normal((n * t, D)).astype(np.float32), sharding)
     logits = jax.device_put(rng.standard_normal((n * t, E)).astype(np.float32), sharding)
+    plan = moe.explain(jax.ShapeDtypeStruct((t, D), np.float32), K, num_experts=E,
+                       capacity=cap, mesh=mesh, axis_name=axes)
     programs = []
     for _, algorithm, wire, back in ways:
       def body(xb, lb, algorithm=algorithm, wire=wire, back=back, cap=cap):
@@ -66,25 +77,27 @@ def child(args) -> int:
     med = [statistics.median(v) for v in times]
     buffer = E * cap * D * 4          # the [E, C, d] float32 buffer each exchange moves
     for (name, algorithm, wire, back), m in zip(ways, med):
-      if algorithm == "allgather":
+      if algorithm == "auto":         # what auto ran: a formulation, then all_to_all's pick
+        chosen = plan.chosen if plan.chosen == "allgather" else plan.calls[0].explanation.chosen
+        algorithm, name = chosen.split("(")[0], f"auto -> {chosen}"
+      if algorithm == "allgather":    # all_gather + reduce_scatter of T * d per device (ring)
         ag = jaxcoll.schedule("all_gather", "ring", n).traffic(t * D * 4 * n, (2, 4))
         rs = jaxcoll.schedule("reduce_scatter", "ring", n).traffic(t * D * 4 * n, (2, 4))
-        across, msgs = ag[0].bytes + rs[0].bytes, ag[0].steps + rs[0].steps
+        across = ag[0].bytes * ratio(wire) + rs[0].bytes * ratio(back)
+        msgs = ag[0].steps + rs[0].steps
       else:
-        a2a = "direct" if algorithm == "native" else algorithm
-        opts = {"axis_sizes": (2, 4)} if a2a == "hierarchical" else {}
-        tr = jaxcoll.schedule("all_to_all", a2a, n, **opts).traffic(buffer, (2, 4))[0]
-        ratio = lambda w: jaxcoll.WireFormat(w).ratio(np.float32) if w else 1.0
+        pieces = getattr(algorithm, "pieces", None)
+        if pieces or algorithm == "hierarchical":
+          sched = jaxcoll.schedule("all_to_all", "hierarchical", n, axis_sizes=(2, 4),
+                                   stage_pieces=pieces)
+        else:                         # native priced as the pairwise exchange
+          sched = jaxcoll.schedule("all_to_all", "direct" if algorithm == "native" else algorithm,
+                                   n)
+        tr = sched.traffic(buffer, (2, 4))[0]
         across, msgs = tr.bytes * (ratio(wire) + ratio(back)), 2 * tr.steps
-      rows.append((t, name, m, m / med[0], across, msgs))
-  if jax.process_index() == 0:
-    print(f"{jax.process_count()} process(es), mesh 2x4 (node, local), E={E}, k={K}, d={D}, "
-          f"capacity factor {FACTOR}, jax {jax.__version__}; dispatch + combine, medians")
-    print("| tokens/device | algorithm | time | vs native | MiB across node | "
-          "messages across node |")
-    print("|---:|---|---:|---:|---:|---:|")
-    for t, name, m, r, across, msgs in rows:
-      print(f"| {t} | {name} | {m * 1e3:.2f} ms | {r:.2f} | {across / 2**20:.2f} | {msgs} |")
+      if jax.process_index() == 0:
+        print(f"| {t} | {name} | {m * 1e3:.2f} ms | {m / med[0]:.2f} | {across / 2**20:.2f} | "
+              f"{msgs} |", flush=True)
   return 0
 
 
@@ -93,7 +106,11 @@ def main(argv=None) -> int:
   parser.add_argument("--tokens", default="256,1024,4096", help="tokens per device")
   parser.add_argument("--reps", type=int, default=5)
   parser.add_argument("--min-seconds", type=float, default=2.0)
-  parser.add_argument("--only", nargs="*", default=[])
+  parser.add_argument("--only", nargs="*", default=[],
+                      help="exchanges to run (native, auto, direct, bruck, hierarchical, "
+                           "'hierarchical(pieces 8,1)', allgather), each with its compressed rows")
+  parser.add_argument("--pieces", default="8,1",
+                      help="stage pieces of the cut hierarchical rows (node, local)")
   from jaxcoll.launch import benchmark
   return benchmark(parser, child, __file__, argv)
 

@@ -9,6 +9,8 @@ from jaxcoll._src.integrations.moe import (
   route,
   router_z_loss,
 )
+from jaxcoll._src.integrations.moe_cost import MoECall, MoEExplanation
+from jaxcoll._src.integrations.moe_cost import explain_moe as explain
 
-__all__ = ("RoutingState", "capacity", "combine", "dispatch", "load_balancing_loss", "route",
-           "router_z_loss")
+__all__ = ("MoECall", "MoEExplanation", "RoutingState", "capacity", "combine", "dispatch",
+           "explain", "load_balancing_loss", "route", "router_z_loss")

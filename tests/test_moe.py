@@ -66,7 +66,7 @@ CASES = [((1,), ("x",), "x"), ((2,), ("x",), "x"), ((4,), ("x",), "x"), ((8,), (
 
 
 def algorithms_for(axes):
-  algos = ["direct", "bruck", "native", "allgather"]
+  algos = ["auto", "direct", "bruck", "native", "allgather"]
   return algos + (["hierarchical"] if isinstance(axes, tuple) else [])
 
 
@@ -295,3 +295,61 @@ def test_dropless_exchange_follows_the_real_load():
   _, _, ex_skew = f(x, skewed, w)
   # bytes per device: (N-1)/N * E * exchanged * d * itemsize, 4x more when skewed
   assert set(np.asarray(ex_bal)) == {4} and set(np.asarray(ex_skew)) == {16}
+
+
+BANDWIDTH = jaxcoll.Profile(links={"*": jaxcoll.Link(alpha=1e-6, beta=1e-9)}, name="bandwidth")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("k,factor,want", [(1, 1.0, "all_to_all"), (4, 2.0, "allgather")])
+def test_auto_runs_the_formulation_the_cost_model_prices_faster(k, factor, want):
+  """On a bandwidth-bound profile the ring of experts sends less once k * factor > N
+  (2 (N-1) T d against 2 (N-1)/N k f T d): auto picks it there, all_to_all below, and
+  either way the layer equals the dense reference."""
+  n, t, e, d = 4, 64, 8, 64
+  rng = np.random.default_rng(k)
+  x = rng.standard_normal((n, t, d)).astype(np.float32)
+  logits = rng.standard_normal((n, t, e)).astype(np.float32)
+  w = rng.standard_normal((e, d, d)).astype(np.float32) / np.sqrt(d)
+  cap = moe.capacity(t, e, k, factor)
+  plan = moe.explain(jax.ShapeDtypeStruct((t, d), jnp.float32), k, num_experts=e, capacity=cap,
+                     mesh={"x": n}, axis_name="x", profile=BANDWIDTH)
+  assert plan.chosen == want
+  other = "allgather" if want == "all_to_all" else "all_to_all"
+  assert plan.predicted_s(want) < plan.predicted_s(other)
+  a2a = [c.explanation for c in plan.calls if c.formulation == "all_to_all"]
+  assert [c.nbytes for c in a2a] == [e * cap * d * 4] * 2
+  assert plan.chosen in str(plan) and "<- auto" in str(plan)
+  seen = []
+  mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+
+  def body(x, logits, w):
+    ids, gates = moe.route(logits[0], k)
+    h, state = moe.dispatch(x[0], ids, num_experts=e, capacity=cap, axis_name="x")
+    seen.append(state.algorithm)
+    return moe.combine(jax.vmap(expert_fn)(w, h), state, gates)[None]
+
+  with jaxcoll.config(profile=BANDWIDTH):
+    got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(
+        x, logits, w)
+  assert seen == ["allgather" if want == "allgather" else "auto"]
+  np.testing.assert_allclose(got, reference(x, logits, w, k, cap)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_explain_prices_compressed_exchanges_on_their_wire_bytes():
+  x = jax.ShapeDtypeStruct((256, 128), jnp.float32)
+  plain = moe.explain(x, 2, num_experts=16, capacity=40, mesh={"x": 8}, axis_name="x",
+                      profile=BANDWIDTH)
+  packed = moe.explain(x, 2, num_experts=16, capacity=40, mesh={"x": 8}, axis_name="x",
+                       profile=BANDWIDTH, wire_dtype="int8")
+  compressed = [(c.formulation, c.phase, c.explanation.primitive) for c in packed.calls
+                if c.explanation.wire_dtype]
+  assert compressed == [("all_to_all", "dispatch", "all_to_all"),
+                        ("allgather", "dispatch", "all_gather")]
+  for a, b in zip(plain.calls, packed.calls):
+    assert a.explanation.nbytes == b.explanation.nbytes
+    if b.explanation.wire_dtype:   # int8 + block scales: about 0.26x float32's bytes
+      assert b.explanation.predicted_s < 0.5 * a.explanation.predicted_s
+      assert b.explanation.chosen != "native"
+    else:
+      assert b.explanation.predicted_s == a.explanation.predicted_s

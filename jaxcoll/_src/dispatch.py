@@ -109,7 +109,7 @@ def choose(primitive, axis_names, axis_sizes, nbytes, profile, *, partial_sum_sc
 
 def auto_label(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[int],
                nbytes: float, profile: Profile, *, partial_sum_scale: float = 1.0,
-               weighed: Sequence[Candidate] | None = None) -> str:
+               weighed: Sequence[Candidate] | None = None, native_allowed: bool = True) -> str:
   """What ``algorithm="auto"`` runs for this call (as :func:`resolve` decides), named as
   :func:`candidates` names it: an override, native on one device, else :func:`pick`.
   ``weighed``: the candidates, when already priced."""
@@ -123,7 +123,8 @@ def auto_label(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[i
   if math.prod(axis_sizes) <= 1:
     return NATIVE
   return pick(weighed or candidates(primitive, axis_names, axis_sizes, nbytes, profile,
-                                    partial_sum_scale=partial_sum_scale)).label
+                                    partial_sum_scale=partial_sum_scale),
+              native_allowed=native_allowed).label
 
 
 def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],

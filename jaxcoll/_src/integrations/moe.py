@@ -14,10 +14,14 @@ r * E_local ... (r + 1) * E_local - 1). Every device routes its own T tokens:
 4. :func:`combine`: the reverse all-to-all, then each token sums its kept choices'
    outputs weighted by their gates; dropped pairs add zero.
 
+Buffers are filled by a gather through a slot table (the pair in each slot), so the local
+work is the buffers' size, not the number of pairs the routing considered.
+
 ``algorithm="allgather"`` (MaxText's ring of experts) gathers every device's tokens and
 routing instead (an all_gather of T * d values per device), fills the same
 ``[E_local, N * C, d]`` buffers locally, and combines with a reduce_scatter of the
-per-source partial sums: no all-to-all, better when k is large.
+per-source partial sums: no all-to-all, fewer bytes when k * capacity factor > N.
+``algorithm="auto"`` prices both (:mod:`moe_cost`, ``jaxcoll.moe.explain``).
 
 Costs per device, with M = T * d * itemsize: the all-to-all dispatch sends
 (N-1)/N * E * C * d * itemsize bytes (direct: N-1 steps), as does combine; allgather
@@ -37,8 +41,7 @@ from jax import lax
 
 from jaxcoll._src import axes as axes_lib
 from jaxcoll._src.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
-
-ALLGATHER = "allgather"
+from jaxcoll._src.integrations.moe_cost import ALLGATHER, explain_moe
 
 
 def capacity(tokens: int, num_experts: int, k: int, factor: float = 1.0, *,
@@ -110,6 +113,9 @@ class RoutingState:
     num_experts, capacity, axis_name, algorithm: the dispatch's static arguments
       (dropless: capacity is T * k); chunk: the dropless exchange's chunk of slots (0
       with a capacity).
+    table: ``algorithm="allgather"`` only, ``[N, E/N, C]`` int32: the pair (numbered over
+      all devices' pairs, source * T * k + t * k + j) in each slot of this device's experts,
+      N * T * k where empty.
   """
 
   expert_ids: jax.Array
@@ -123,6 +129,7 @@ class RoutingState:
   axis_name: object = dataclasses.field(metadata={"static": True})
   algorithm: object = dataclasses.field(metadata={"static": True})
   chunk: int = dataclasses.field(default=0, metadata={"static": True})
+  table: jax.Array | None = None
 
 
 def _slots(expert_ids, num_experts: int, capacity_: int):
@@ -135,12 +142,23 @@ def _slots(expert_ids, num_experts: int, capacity_: int):
   return jnp.where(kept, slot, capacity_), kept, jnp.sum(onehot, axis=0)
 
 
-def _scatter(x, expert_ids, slots, num_experts: int, capacity_: int):
-  """[E, C, d] buffers holding each kept pair's token (dropped pairs land outside)."""
+def _table(expert_ids, slots, first: int, num: int, capacity_: int):
+  """``[num, C]`` int32: the pair ``t * k + j`` holding each slot of experts
+  ``first ... first + num - 1``, ``T * k`` where the slot is empty (pairs of other experts
+  and dropped pairs land outside)."""
   t, k = expert_ids.shape
-  rows = jnp.broadcast_to(x[:, None, :], (t, k, x.shape[-1]))
-  buf = jnp.zeros((num_experts, capacity_, x.shape[-1]), x.dtype)
-  return buf.at[expert_ids, slots].set(rows, mode="drop")
+  pairs = jnp.arange(t * k, dtype=jnp.int32).reshape(t, k)
+  local = expert_ids - first
+  local = jnp.where((local >= 0) & (local < num), local, num)
+  return jnp.full((num, capacity_), t * k, jnp.int32).at[local, slots].set(pairs, mode="drop")
+
+
+def _fill(x, table, k: int):
+  """The buffers ``table``'s slots describe: row ``table // k`` of ``x [T', d]``, zero where
+  empty (``table == T' * k``). A gather of one row per slot, so the work is the buffers'
+  size, however many pairs the routing considered."""
+  padded = jnp.concatenate([x, jnp.zeros((1, x.shape[-1]), x.dtype)])
+  return padded[table // k]
 
 
 def _gather(buf, expert_ids, slots, kept, gates):
@@ -220,8 +238,10 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
       every device runs the same trips). Bytes on the wire follow the real load:
       (N-1)/N * E * ceil(m / chunk) * chunk * d * itemsize per device.
     axis_name: the expert-parallel mesh axis (or tuple, e.g. ("node", "local")).
-    algorithm: an all_to_all algorithm ("auto", "direct", "bruck", "hierarchical",
-      "native") or "allgather" (module docstring).
+    algorithm: an all_to_all algorithm ("direct", "bruck", "hierarchical", "native", a
+      ``jaxcoll.Hierarchical``), "allgather" (module docstring), or "auto": the
+      formulation (all_to_all or allgather) the cost model prices faster for these
+      shapes and axes (:func:`explain` shows both), each collective at its own auto.
     wire_dtype: compress the dispatch exchange (``jaxcoll.WIRE_DTYPES``); combine sends
       in the activation dtype.
     chunk: dropless only: slots per exchanged chunk (default: the balanced load,
@@ -243,6 +263,11 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
     chunk = _balanced(t, num_experts, k) if chunk is None else chunk
     if not isinstance(chunk, (int, np.integer)) or not 1 <= chunk <= capacity:
       raise ValueError(f"dispatch: chunk={chunk!r} must be an int in [1, T * k = {capacity}]")
+  if isinstance(algorithm, str) and algorithm == "auto":
+    sizes = dict(zip(axes, axes_lib.sizes(axes)))
+    plan = explain_moe(x, k, num_experts=num_experts, capacity=chunk if dropless else capacity,
+                       mesh=sizes, axis_name=axes, wire_dtype=wire_dtype)
+    algorithm = ALLGATHER if plan.chosen == ALLGATHER else "auto"
   slots, kept, counts = _slots(expert_ids, num_experts, capacity)
   if dropless and algorithm != ALLGATHER:
     most = all_reduce(jnp.max(counts), axis_name, op="max")
@@ -255,18 +280,31 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
   d = x.shape[-1]
   if algorithm == ALLGATHER:
     xs = all_gather(x, axis_name, wire_dtype=wire_dtype)                 # [N, T, d]
-    ids = all_gather(expert_ids.astype(jnp.int32), axis_name)            # [N, T, k]
-    me = lax.axis_index(axes)
-
-    def fill(xi, ei):
-      s, _, _ = _slots(ei, num_experts, capacity)
-      mine = ei // local == me
-      return _scatter(xi, jnp.where(mine, ei % local, local), s, local, capacity)
-    buf = jax.vmap(fill)(xs, ids)                                         # [N, E/N, C, d]
+    state = dataclasses.replace(state, table=_gathered_table(expert_ids, state))
+    buf = _fill(xs.reshape(n * t, d), state.table, k)                    # [N, E/N, C, d]
   else:
-    buf = _scatter(x, expert_ids, slots, num_experts, capacity).reshape(n, local, capacity, d)
+    table = _table(expert_ids, slots, 0, num_experts, capacity)
+    buf = _fill(x, table, k).reshape(n, local, capacity, d)
     buf = _exchange(buf, state, wire_dtype)
   return jnp.swapaxes(buf, 0, 1).reshape(local, n * capacity, d), state
+
+
+def _gathered_table(expert_ids, state: RoutingState):
+  """The ring of experts' slot table ``[N, E/N, C]``: for each source device, its pairs
+  routed to this device's experts, numbered over every device's pairs (source * T * k +
+  t * k + j; N * T * k where empty). Slots are the source's own (:func:`_slots`)."""
+  axes = axes_lib.normalize(state.axis_name)
+  n = axes_lib.size(axes)
+  t, k = expert_ids.shape
+  local = state.num_experts // n
+  ids = all_gather(expert_ids.astype(jnp.int32), state.axis_name)       # [N, T, k]
+  first = lax.axis_index(axes) * local
+
+  def one(i, ei):
+    table = _table(ei, _slots(ei, state.num_experts, state.capacity)[0], first, local,
+                   state.capacity)
+    return jnp.where(table == t * k, n * t * k, table + i * t * k)
+  return jax.vmap(one)(jnp.arange(n, dtype=jnp.int32), ids)
 
 
 def combine(expert_outputs, state: RoutingState, gates, *, wire_dtype=None):
@@ -286,17 +324,13 @@ def combine(expert_outputs, state: RoutingState, gates, *, wire_dtype=None):
                      f"layout), got shape {y.shape}")
   d = y.shape[-1]
   y = jnp.swapaxes(y.reshape(local, n, c, d), 0, 1)                       # [N, E/N, C, d]
-  if state.algorithm == ALLGATHER:
-    ids = all_gather(state.expert_ids, state.axis_name)                  # [N, T, k]
-    g = all_gather(gates, state.axis_name)
-    me = lax.axis_index(axes)
-
-    def partial_sum(yi, ei, gi):
-      s, kept, _ = _slots(ei, state.num_experts, c)
-      mine = ei // local == me
-      return _gather(yi, jnp.where(mine, ei % local, 0), s, kept & mine, gi)
-    partial = jax.vmap(partial_sum)(y, ids, g)                            # [N, T, d]
-    return reduce_scatter(partial, state.axis_name, scatter_dimension=0, tiled=True,
-                          wire_dtype=wire_dtype)[0]
+  if state.algorithm == ALLGATHER:   # this device's experts' share of every token's sum
+    g = all_gather(gates, state.axis_name).reshape(-1)                  # [N * T * k]
+    tokens = g.shape[0] // gates.shape[1]
+    weights = jnp.concatenate([g, jnp.zeros((1,), g.dtype)])[state.table].astype(y.dtype)
+    partial = jnp.zeros((tokens + 1, d), y.dtype).at[state.table // gates.shape[1]].add(
+        y * weights[..., None])
+    return reduce_scatter(partial[:tokens].reshape(n, -1, d), state.axis_name,
+                          scatter_dimension=0, tiled=True, wire_dtype=wire_dtype)[0]
   back = _exchange(y, state, wire_dtype).reshape(state.num_experts, c, d)
   return _gather(back, state.expert_ids, state.slots, state.kept, gates)

@@ -1,0 +1,132 @@
+"""Which exchange MoE's ``algorithm="auto"`` runs: two all_to_alls, or all_gather + reduce_scatter.
+
+Per device: T tokens of d values (itemsize s), top-k routing, E experts over N devices,
+C slots per (source, expert). The two formulations of dispatch + combine:
+
+- ``all_to_all``: dispatch sends the ``[E, C, d]`` buffers in one all_to_all
+  (M = E * C * d * s, of which (N-1)/N leaves the device), combine sends them back.
+- ``allgather`` (MaxText's ring of experts): dispatch all-gathers the tokens
+  (M = N * T * d * s) and the expert ids (N * T * k int32); combine all-gathers the gates
+  and reduce-scatters the ``[N, T, d]`` per-source partial sums (M = N * T * d * s).
+
+By bytes alone, all_to_all sends 2 (N-1)/N * E * C * d * s ~ 2 (N-1)/N * k * f * T * d * s
+(f the capacity factor) and allgather 2 (N-1) * T * d * s: the ring of experts sends less
+once k * f > N. Here every collective is priced by :func:`jaxcoll.explain` (the
+collectives' own cost model and profile, each call at the algorithm its own auto picks) and
+all_to_all runs unless allgather is predicted ``NATIVE_MARGIN`` (1.25x) faster: all_to_all
+is the conventional exchange (the lax implementation's), and the model does not price
+local work, which the ring of experts has more of (N * T gathered tokens, an
+``[N * T, d]`` partial sum; README, Mixture of experts, has a case where it mattered).
+Dropless dispatch loops over chunks as the load requires, which trace time cannot know:
+it is priced at one trip of ``chunk`` slots, the balanced load. The choice is a pure
+function of static shapes, axis sizes and the profile, so every device makes the same one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+from jaxcoll._src.dispatch import NATIVE_MARGIN
+from jaxcoll._src.explain import Explanation, explain, fmt_bytes, fmt_seconds
+from jaxcoll._src.profile import Profile
+from jaxcoll._src.table import Table
+
+ALL_TO_ALL, ALLGATHER = "all_to_all", "allgather"
+
+
+@dataclasses.dataclass(frozen=True)
+class MoECall:
+  """One collective of a formulation: where it runs and its :class:`jaxcoll.Explanation`."""
+
+  formulation: str
+  phase: str
+  explanation: Explanation
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEExplanation:
+  """Both formulations of one MoE layer's exchange priced, auto's choice marked. Prints as a
+  table: a row per collective (auto's algorithm for it, bytes, predicted time), a total per
+  formulation."""
+
+  tokens: int
+  d: int
+  k: int
+  num_experts: int
+  capacity: int
+  axis_names: tuple[str, ...]
+  axis_sizes: tuple[int, ...]
+  chosen: str
+  calls: tuple[MoECall, ...]
+
+  def predicted_s(self, formulation: str) -> float:
+    """Predicted seconds of dispatch + combine in ``formulation``."""
+    return sum(c.explanation.predicted_s for c in self.calls if c.formulation == formulation)
+
+  def table(self) -> Table:
+    shape = "x".join(map(str, self.axis_sizes))
+    title = (f"MoE dispatch + combine: T={self.tokens}, d={self.d}, k={self.k}, "
+             f"E={self.num_experts}, C={self.capacity} over {self.axis_names} ({shape}): "
+             f"auto -> {self.chosen} (all_to_all unless allgather is {NATIVE_MARGIN:g}x faster)")
+    rows = []
+    for formulation in (ALL_TO_ALL, ALLGATHER):
+      for c in (c for c in self.calls if c.formulation == formulation):
+        e = c.explanation
+        rows.append((formulation, c.phase, e.primitive, fmt_bytes(e.nbytes), e.wire_dtype or "-",
+                     e.chosen, fmt_seconds(e.predicted_s), ""))
+      rows.append((formulation, "total", "", "", "", "", fmt_seconds(self.predicted_s(formulation)),
+                   "<- auto" if formulation == self.chosen else ""))
+    return Table.of(title, ("formulation", "phase", "collective", "M", "wire", "algorithm",
+                            "predicted", ""), rows)
+
+  def __str__(self) -> str:
+    return str(self.table())
+
+  def __rich__(self):
+    return self.table().__rich__()
+
+
+def explain_moe(x, k: int, *, num_experts: int, capacity: int, mesh, axis_name,
+                wire_dtype=None, combine_wire_dtype=None,
+                profile: Profile | str | None = None) -> MoEExplanation:
+  """Prices both formulations of dispatch + combine (module docstring); ``.chosen`` is what
+  ``dispatch(..., algorithm="auto")`` runs.
+
+  Args:
+    x: this device's tokens ``[T, d]`` (an array or ``jax.ShapeDtypeStruct``).
+    k: choices per token.
+    num_experts: E.
+    capacity: slots per (source device, expert); for a dropless dispatch, its chunk.
+    mesh: a ``Mesh`` or ``{axis name: size}``; axis_name: the expert-parallel axis or tuple.
+    wire_dtype, combine_wire_dtype: the exchanges' wire formats (dispatch's and combine's).
+    profile: the profile to price with (default: the one auto uses).
+  """
+  if len(x.shape) != 2:
+    raise ValueError(f"explain: x must be this device's tokens [T, d], got shape {x.shape}")
+  t, d = map(int, x.shape)
+  dtype = np.dtype(x.dtype)
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  shape_of = dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
+  n = math.prod(int(shape_of.get(a, 1)) for a in axes)
+  sds = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)   # noqa: E731
+  price = lambda prim, v, wire=None: explain(prim, v, mesh, axes, profile,   # noqa: E731
+                                             wire_dtype=wire)
+  buffer = sds(num_experts * capacity, d)
+  calls = [MoECall(ALL_TO_ALL, "dispatch", price("all_to_all", buffer, wire_dtype)),
+           MoECall(ALL_TO_ALL, "combine", price("all_to_all", buffer, combine_wire_dtype)),
+           MoECall(ALLGATHER, "dispatch", price("all_gather", sds(t, d), wire_dtype)),
+           MoECall(ALLGATHER, "dispatch", price("all_gather", sds(t, k, dt=np.int32))),
+           MoECall(ALLGATHER, "combine", price("all_gather", sds(t, k))),
+           MoECall(ALLGATHER, "combine", price("reduce_scatter", sds(n * t, d),
+                                               combine_wire_dtype))]
+  moe = MoEExplanation(t, d, k, num_experts, capacity, axes,
+                       tuple(int(shape_of[a]) for a in axes), ALL_TO_ALL, tuple(calls))
+  if moe.predicted_s(ALLGATHER) * NATIVE_MARGIN < moe.predicted_s(ALL_TO_ALL):
+    moe = dataclasses.replace(moe, chosen=ALLGATHER)
+  return moe
+
