@@ -40,9 +40,10 @@ def child(args) -> int:
   cut_name = f"hierarchical(pieces {args.pieces})"
   exchanges = [("native", "native"), ("auto", "auto"), ("direct", "direct"), ("bruck", "bruck"),
                ("hierarchical", "hierarchical"), (cut_name, cut), ("allgather", "allgather")]
-  wires = [(" [int8 dispatch]", "int8", None),
-           (" [int8 dispatch, bf16 combine]", "int8", "bfloat16"),   # DeepEP's split
-           (" [int8 both]", "int8", "int8")]
+  wires = {"dispatch": (" [int8 dispatch]", "int8", None),
+           "split": (" [int8 dispatch, bf16 combine]", "int8", "bfloat16"),   # DeepEP's split
+           "both": (" [int8 both]", "int8", "int8")}
+  wires = [wires[w] for w in args.wires.split(",") if w]
   # (label, algorithm, dispatch wire, combine wire)
   ways = [(name, a, None, None) for name, a in exchanges]
   ways += [(name + tag, a, w, b) for tag, w, b in wires for name, a in exchanges
@@ -63,8 +64,13 @@ def child(args) -> int:
     logits = jax.device_put(rng.standard_normal((n * t, E)).astype(np.float32), sharding)
     plan = moe.explain(jax.ShapeDtypeStruct((t, D), np.float32), K, num_experts=E,
                        capacity=cap, mesh=mesh, axis_name=axes)
+    gathered = n * n * t * D * 4      # every device's all-gathered tokens, in host memory
+    todo = [w for w in ways if w[1] != "allgather" or gathered <= args.max_gathered * 2**30]
+    if len(todo) < len(ways) and jax.process_index() == 0:
+      print(f"| {t} | allgather | skipped: the devices' gathered tokens need "
+            f"{gathered / 2**30:.0f} GiB (--max-gathered {args.max_gathered:g}) | | | |")
     programs = []
-    for _, algorithm, wire, back in ways:
+    for _, algorithm, wire, back in todo:
       def body(xb, lb, algorithm=algorithm, wire=wire, back=back, cap=cap):
         ids, gates = moe.route(lb, K)
         h, state = moe.dispatch(xb, ids, num_experts=E, capacity=cap, axis_name=axes,
@@ -76,7 +82,7 @@ def child(args) -> int:
     times = timing.interleaved(programs, reps=args.reps, min_seconds=args.min_seconds)
     med = [statistics.median(v) for v in times]
     buffer = E * cap * D * 4          # the [E, C, d] float32 buffer each exchange moves
-    for (name, algorithm, wire, back), m in zip(ways, med):
+    for (name, algorithm, wire, back), m in zip(todo, med):
       if algorithm == "auto":         # what auto ran: a formulation, then all_to_all's pick
         chosen = plan.chosen if plan.chosen == "allgather" else plan.calls[0].explanation.chosen
         algorithm, name = chosen.split("(")[0], f"auto -> {chosen}"
@@ -109,6 +115,11 @@ def main(argv=None) -> int:
   parser.add_argument("--only", nargs="*", default=[],
                       help="exchanges to run (native, auto, direct, bruck, hierarchical, "
                            "'hierarchical(pieces 8,1)', allgather), each with its compressed rows")
+  parser.add_argument("--wires", default="dispatch,split,both",
+                      help="compressed rows: dispatch (int8 dispatch), split (int8 dispatch, "
+                           "bfloat16 combine: DeepEP's), both (int8 both ways); '' for none")
+  parser.add_argument("--max-gathered", type=float, default=8.0,
+                      help="GiB: skip allgather where the devices' gathered tokens need more")
   parser.add_argument("--pieces", default="8,1",
                       help="stage pieces of the cut hierarchical rows (node, local)")
   from jaxcoll.launch import benchmark

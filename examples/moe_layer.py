@@ -77,6 +77,8 @@ def main() -> int:
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(AXIS)),
                                  out_specs=(P(AXIS), P(AXIS), P(AXIS))))
 
+  print(moe.explain(x[:T], K, num_experts=E, capacity=moe.capacity(T, E, K, 1.25), mesh=mesh,
+                    axis_name=AXIS))   # what algorithm="auto" (the default) runs, and why
   out, dropped, _ = forward(T * K)(params, x)
   diff = float(jnp.abs(out - dense(params, x)).max())
   print(f"{N} devices, {E} experts (top-{K}), {T} tokens of width {D} per device")

@@ -1,6 +1,6 @@
 """jaxcoll: custom collective communication for JAX, built from ppermute schedules."""
 
-from jaxcoll import distributed, kernels, moe, optax
+from jaxcoll import distributed, fsdp, kernels, moe, optax
 from jaxcoll._src.algorithms import algorithms, schedule
 from jaxcoll._src.calibrate import calibrate
 from jaxcoll._src.collectives import (
@@ -22,6 +22,7 @@ from jaxcoll._src.integrations.sync import sync_gradients, sync_in_backward
 from jaxcoll._src.profile import Link, NativeTimes, Profile
 from jaxcoll._src.schedule import PRIMITIVES, AxisTraffic, Schedule, Step, Transfer
 from jaxcoll._src.table import Table
+from jaxcoll._src.traffic import Traffic, traffic
 from jaxcoll._src.wire import WIRE_DTYPES, WireFormat
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ __all__ = (
     "Schedule",
     "Step",
     "Table",
+    "Traffic",
     "Transfer",
     "WireFormat",
     "algorithms",
@@ -51,6 +53,7 @@ __all__ = (
     "data_parallel",
     "distributed",
     "explain",
+    "fsdp",
     "kernels",
     "moe",
     "optax",
@@ -60,5 +63,6 @@ __all__ = (
     "shift",
     "sync_gradients",
     "sync_in_backward",
+    "traffic",
     "use",
 )

@@ -70,10 +70,12 @@ def to_rows(xp, flat, schedule, rank: int | None = None, multiple: int = 1):
   size = flat.shape[0]
   length = row_length(schedule, size, multiple)
   if schedule.primitive == "all_gather":
+    own = block(xp, flat, schedule, length)
+    if rank is None:   # every row is received later: start from the data, not from zeros
+      return xp.broadcast_to(own[:1], (c, length))
     rows = xp.zeros((c, length), flat.dtype)
-    if rank is not None:
-      b = schedule.blocks_per_rank
-      rows[rank * b:(rank + 1) * b] = block(xp, flat, schedule, length)
+    b = schedule.blocks_per_rank
+    rows[rank * b:(rank + 1) * b] = own
     return rows
   if schedule.primitive == "all_to_all":
     inputs = blocked_rows(xp, flat, schedule, length)

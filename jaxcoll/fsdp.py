@@ -1,0 +1,16 @@
+"""jaxcoll.fsdp: sharded-parameter training (FSDP / ZeRO-3) with ZeRO++'s quantized and
+hierarchical options."""
+
+from jaxcoll._src.integrations.fsdp import (
+  Sharded,
+  gather,
+  layer,
+  place,
+  shard,
+  specs,
+  unshard,
+)
+from jaxcoll._src.integrations.fsdp_step import State, TrainStep, train_step
+
+__all__ = ("Sharded", "State", "TrainStep", "gather", "layer", "place", "shard",
+           "specs", "train_step", "unshard")
