@@ -10,7 +10,8 @@ tokens per device. Rows:
 - ``data parallel``: every device holds everything, gradients all-reduced
   (``jaxcoll.sync_gradients``, auto);
 - ``FSDP``: ``jaxcoll.fsdp.layer`` with ``algorithm`` (default hierarchical);
-- ``+ hpZ``, ``+ qwZ + qgZ`` (int8 gathers and reduce-scatter), and all three.
+- ``+ hpZ`` (its one-axis stages as rings), ``+ qwZ + qgZ`` (int8 gathers and
+  reduce-scatter), and all three.
 
 Timed side by side (``timing.interleaved``, medians); "vs lax" is each row's time over lax
 FSDP's. "MiB across node" is what one device sends across the node axis per step, counted
@@ -70,7 +71,10 @@ def child(args) -> int:
                           policy=jax.checkpoint_policies.dots_saveable)(s, h)
 
   def jaxcoll_layer(**options):
-    return lambda f, s, h: fsdp.layer(f, axes, algorithm=args.algorithm, **options)(s, h)
+    # hpZ's stages run over one axis each: a ring there where the flat gather is hierarchical
+    one_axis = "ring" if args.algorithm == "hierarchical" else args.algorithm
+    algorithm = one_axis if "secondary_axis" in options else args.algorithm
+    return lambda f, s, h: fsdp.layer(f, axes, algorithm=algorithm, **options)(s, h)
 
   def sharded_step(run_layer):
     step = fsdp.train_step(lambda s, b: loss_fn(s, b, run_layer), tx, mesh, axes,
