@@ -321,3 +321,42 @@ def test_hpz_backward_gathers_never_cross_the_node_axis():
   hpz = {"secondary_axis": "local"}
   assert node_bytes(True, **hpz) == pytest.approx(2 * node_bytes(False, **hpz))
   assert node_bytes(True) > 2.5 * node_bytes(False)
+
+
+# ---------------------------------------------------------------------------- memory
+
+def peak_bytes(fn, *args) -> int:
+  """Per-device peak of one compiled call: arguments + outputs - aliased + temporaries."""
+  m = fn.lower(*args).compile().memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+          + m.temp_size_in_bytes)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "bruck", "native"])
+def test_peak_memory_is_a_shard_of_the_state_plus_two_layers(algorithm):
+  """8 layers, 8 devices, Adam: FSDP's step holds 1/N of params, grads and Adam's two moments
+  (4P/N), two layers' gathered parameters and the saved layer inputs; data parallel holds
+  every device's full copy (at least 4P)."""
+  layers, width, tokens = 8, 128, 32
+  params = mlp_init(jax.random.key(10), sizes=(width,) * (layers + 1))
+  batch = data(jax.random.key(11), (8 * tokens, width), (8 * tokens, width))
+  tx = optax.adam(1e-3)
+  p_bytes = sum(v.nbytes for v in jax.tree.leaves(params))
+  layer_bytes = p_bytes / layers
+  saved_inputs = layers * tokens * width * 4
+  batch_bytes = 2 * tokens * width * 4
+  step = fsdp.train_step(layerwise(mse, "x", algorithm=algorithm), tx, flat_mesh(), "x",
+                         gather_params=False)
+  state = step.init(params)
+  fsdp_peak = peak_bytes(jax.jit(step.__call__, donate_argnums=0), state, batch)
+  assert fsdp_peak <= 4 * p_bytes / 8 + 2 * layer_bytes + saved_inputs + batch_bytes
+
+  def dp(p, s, b):
+    grads = jaxcoll.sync_gradients(jax.grad(mse)(p, b), "x")
+    updates, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, updates), s
+  dp_step = jax.jit(jax.shard_map(dp, mesh=flat_mesh(), in_specs=(P(), P(), P("x")),
+                                  out_specs=(P(), P()), check_vma=False), donate_argnums=(0, 1))
+  dp_peak = peak_bytes(dp_step, params, tx.init(params), batch)
+  assert dp_peak >= 4 * p_bytes
+  assert fsdp_peak < dp_peak / 4
