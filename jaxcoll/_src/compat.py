@@ -16,6 +16,12 @@ that moves one fails there first, loudly, instead of somewhere deep in a collect
 ``jax.interpreters.ad/batching/mlir``), the same on both versions and pinned by
 ``tests/test_replicated.py``.
 
+- ``REMAT_COLLECTIVES_STAY_SEPARATE``: whether XLA keeps a collective that backward
+  recomputes (behind a ``lax.optimization_barrier``) apart from its forward twin. jaxlib
+  0.12's CPU compiler does; 0.10.2's merges the two, so every layer's gathered parameters
+  stay live from forward to backward (``jaxcoll.fsdp.layer``'s memory;
+  ``tests/test_fsdp.py`` measures both).
+
 Where the versions behave differently rather than name things differently, the module that
 depends on it says so and adapts in a form both accept: ``axes.ppermute_args`` (jax 0.12
 refuses a tuple of axes out of mesh order in ``lax.ppermute``; 0.10.2 reads its
@@ -37,6 +43,7 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 JAX_VERSION = _version(jax.__version__)
+REMAT_COLLECTIVES_STAY_SEPARATE = JAX_VERSION >= (0, 12)
 
 
 def trace_state_clean() -> bool:
