@@ -35,7 +35,6 @@ class TrainStep:
   axis_name: Any
   gather_params: bool = True
   gather_options: tuple = ()
-
   donate: bool = True
 
   @property
