@@ -14,6 +14,7 @@ from jax.sharding import AbstractMesh, Mesh
 import jaxcoll
 from jaxcoll import Link, Profile
 from jaxcoll._src import cost, dispatch
+from jaxcoll._src.profile import PRESET_NAMES
 from tests.helpers import AXIS, count_primitive, per_device
 
 pytestmark = pytest.mark.quick   # also on the oldest supported jax (.ci/run)
@@ -290,8 +291,9 @@ def test_profile_errors_and_json_round_trip(tmp_path):
 
 
 def test_explain_lists_every_algorithm_and_marks_the_choice():
+  measured = dataclasses.replace(Profile.preset("infiniband-ndr400"), basis="given")
   e = jaxcoll.explain("all_to_all", f32(4096), mesh8((2, 4), ("node", "local")),
-                      ("node", "local"), Profile.preset("infiniband-ndr400"))
+                      ("node", "local"), measured)
   labels = [r.algorithm for r in e.rows]
   assert {"native", "direct", "bruck"} <= set(labels)
   assert any(label.startswith("hierarchical(") for label in labels)
@@ -322,3 +324,30 @@ def test_calibrate_measures_a_live_mesh_and_refuses_to_run_traced():
   assert pick.algorithm in jaxcoll.algorithms("all_reduce")
   with pytest.raises(RuntimeError, match="outside jit"):
     jax.jit(lambda v: jaxcoll.calibrate(mesh, progress=False) and v)(1.0)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_auto_never_leaves_native_on_an_unmeasured_profile(name):
+  """Data-sheet presets were never measured: auto keeps native for every primitive at every
+  size from 1 KiB to 1 GiB, on flat and two-level meshes. The same figures given as
+  trusted (a user's, or measured here) still choose schedules where they predict them
+  1.25x faster, and the cpu preset, measured on this backend, is trusted here."""
+  preset = Profile.preset(name)
+  trusted = dataclasses.replace(preset, basis="given")
+  assert preset.trusted(jax.default_backend()) == (name == "cpu")
+  schedules_when_trusted = 0
+  for mesh, axes in ((mesh8(), AXIS), (mesh8((2, 4), ("node", "local")), ("node", "local"))):
+    for primitive in jaxcoll.PRIMITIVES:
+      for size in (1 << 10, 1 << 16, 1 << 22, 1 << 26, 1 << 30):
+        x = f32(size // 4 // (8 if primitive == "all_gather" else 1))
+        e = jaxcoll.explain(primitive, x, mesh, axes, preset)
+        if name != "cpu":
+          assert e.chosen == "native", (primitive, size, e.chosen)
+          assert "not measured" in str(e)
+        t = jaxcoll.explain(primitive, x, mesh, axes, trusted)
+        schedules_when_trusted += t.chosen != "native"
+  if name != "cpu":
+    assert schedules_when_trusted > 0     # the rule, not the figures, keeps native
+  with pytest.raises(ValueError, match="primitive"):
+    jaxcoll.explain("psum", f32(8), mesh8(), AXIS, preset)

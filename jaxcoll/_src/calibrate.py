@@ -179,4 +179,5 @@ def calibrate(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DE
             for group in groups for primitive in primitives]
   mu, nu, delta, fresh, gamma = map(float, coef[-5:])
   return Profile(links=links, overhead=float(coef[0]), mu=mu, nu=nu, delta=delta, fresh=fresh,
-                 fresh_threshold=FRESH_THRESHOLD, gamma=gamma, native=tuple(native), name=name)
+                 fresh_threshold=FRESH_THRESHOLD, gamma=gamma, native=tuple(native), name=name,
+                 basis=mesh.devices.flat[0].platform)

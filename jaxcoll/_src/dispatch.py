@@ -4,8 +4,9 @@
 model: the argmin of the predicted time (:mod:`jaxcoll._src.cost`) over every
 algorithm of the primitive that runs on these axes, native included, with
 hierarchical's per-axis stages chosen too. Native, the reference, is kept
-unless a schedule is predicted ``NATIVE_MARGIN`` times faster: a pick slower
-than the lax collective is the one mistake auto must not make, and on the CPU
+unless a schedule is predicted ``NATIVE_MARGIN`` times faster, and always under a
+profile never measured on this backend (the data-sheet presets: ``Profile.basis``): a
+pick slower than the lax collective is the one mistake auto must not make, and on the CPU
 testbed a calibrated model still predicts single schedules only within about
 30% (README, Cost model). Ties go to the order of ``algorithms()``. The choice
 is a pure function of static information (primitive, message bytes, axis names
@@ -90,21 +91,30 @@ def candidates(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[i
   return out
 
 
-def pick(weighed: Sequence[Candidate], *, native_allowed: bool = True) -> Candidate:
+def pick(weighed: Sequence[Candidate], *, native_allowed: bool = True,
+         trusted: bool = True) -> Candidate:
   """Of ``candidates()``' result (native first): the fastest predicted schedule if it beats
-  native by ``NATIVE_MARGIN`` (or native is not allowed: a compressed wire), else native."""
+  native by ``NATIVE_MARGIN`` (or native is not allowed: a compressed wire), else native.
+  Under a profile not ``trusted`` on this backend (never measured there) native is kept
+  wherever it is allowed."""
   native, *scheduled = weighed
   best = min(scheduled, key=lambda c: c.predicted_s, default=native)
-  if not native_allowed or best.predicted_s * NATIVE_MARGIN < native.predicted_s:
+  if not native_allowed or (trusted and best.predicted_s * NATIVE_MARGIN < native.predicted_s):
     return best
   return native
+
+
+def trusted(profile: Profile) -> bool:
+  """Whether ``profile`` was measured on the default backend (or given by the user)."""
+  return profile.trusted(jax.default_backend())
 
 
 def choose(primitive, axis_names, axis_sizes, nbytes, profile, *, partial_sum_scale=1.0,
            native_allowed: bool = True):
   """The candidate auto picks (:func:`pick` of every candidate)."""
   return pick(candidates(primitive, axis_names, axis_sizes, nbytes, profile,
-                         partial_sum_scale=partial_sum_scale), native_allowed=native_allowed)
+                         partial_sum_scale=partial_sum_scale), native_allowed=native_allowed,
+              trusted=trusted(profile))
 
 
 def auto_label(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[int],
@@ -124,7 +134,7 @@ def auto_label(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[i
     return NATIVE
   return pick(weighed or candidates(primitive, axis_names, axis_sizes, nbytes, profile,
                                     partial_sum_scale=partial_sum_scale),
-              native_allowed=native_allowed).label
+              native_allowed=native_allowed, trusted=trusted(profile)).label
 
 
 def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],

@@ -41,6 +41,7 @@ class Explanation:
   overridden: bool
   rows: tuple[ExplainRow, ...]
   wire_dtype: str | None = None
+  trusted: bool = True
 
   @property
   def predicted_s(self) -> float:
@@ -50,6 +51,7 @@ class Explanation:
   def table(self) -> Table:
     shape = "x".join(map(str, self.axis_sizes))
     why = ("overridden by config / JAXCOLL_ALGORITHM" if self.overridden else
+           "profile not measured on this backend: native kept" if not self.trusted else
            f"min predicted time; native unless {dispatch.NATIVE_MARGIN:g}x slower")
     wire = f", wire {self.wire_dtype}" if self.wire_dtype else ""
     title = (f"{self.primitive} of {fmt_bytes(self.nbytes)}{wire} over {self.axis_names} "
@@ -124,7 +126,7 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
       steps, per_axis = c.schedule.num_steps, {a: t.bytes for a, t in zip(axes, traffic)}
     rows.append(ExplainRow(c.label, steps, per_axis, c.predicted_s, c.label == chosen))
   return Explanation(primitive, axes, sizes, nbytes, profile.name, chosen, override is not None,
-                     tuple(rows), fmt.name if fmt else None)
+                     tuple(rows), fmt.name if fmt else None, dispatch.trusted(profile))
 
 
 def fmt_bytes(b: float) -> str:

@@ -34,7 +34,10 @@ latency), gamma from HBM bandwidth (a combine reads two bytes and writes one):
   per chip; alpha 30 us (TCP/IP stack and switch hops).
 
 Without a measured native time a profile prices "native" as what NCCL would
-run on the same links (see :mod:`jaxcoll._src.cost`).
+run on the same links (see :mod:`jaxcoll._src.cost`). The data-sheet presets were never
+measured (per-ppermute launch costs on an accelerator are unknown to them), so under them
+auto keeps native wherever native applies (``basis``); schedules still run when named,
+when a wire format needs one, or under a profile from :func:`jaxcoll.calibrate`.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 ANY_AXIS = "*"
+GIVEN, DATASHEET = "given", "datasheet"
 FRESH_THRESHOLD = float(32 << 20)   # glibc's largest mmap threshold
 
 
@@ -130,6 +134,11 @@ class Profile:
     fresh_threshold: bytes; default 32 MiB (glibc's largest mmap threshold).
     native: measured :class:`NativeTimes` of the jax.lax collectives.
     name: a label (the preset's name).
+    basis: where the figures come from, which decides whether auto may trust them to
+      replace the lax collective: ``"given"`` (written by the user: trusted),
+      ``"datasheet"`` (the vendor-figure presets: never measured, so auto keeps native
+      wherever native applies), or the backend they were measured on (``"cpu"``,
+      ``"gpu"``, ``"tpu"``: :func:`jaxcoll.calibrate` records it; trusted there only).
   """
 
   links: Any = ()
@@ -142,6 +151,7 @@ class Profile:
   fresh_threshold: float = FRESH_THRESHOLD
   native: tuple[NativeTimes, ...] = ()
   name: str = ""
+  basis: str = GIVEN
 
   def __post_init__(self):
     object.__setattr__(self, "links", _frozen_links(self.links))
@@ -150,6 +160,10 @@ class Profile:
       v = getattr(self, field)
       if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
         raise ValueError(f"Profile {field}={v!r} must be a finite number >= 0")
+
+  def trusted(self, backend: str) -> bool:
+    """Whether auto may replace the lax collective on ``backend`` by these figures."""
+    return self.basis in (GIVEN, backend)
 
   def link(self, axis: str) -> Link:
     """The link of mesh axis ``axis`` (or the ``"*"`` link)."""
@@ -195,7 +209,7 @@ class Profile:
             "delta": self.delta, "mu": self.mu, "nu": self.nu, "fresh": self.fresh,
             "fresh_threshold": self.fresh_threshold,
             "links": {a: dataclasses.asdict(link) for a, link in self.links},
-            "native": [dataclasses.asdict(t) for t in self.native]}
+            "native": [dataclasses.asdict(t) for t in self.native], "basis": self.basis}
 
   @classmethod
   def from_json(cls, data: dict) -> Profile:
@@ -206,7 +220,7 @@ class Profile:
                fresh_threshold=data.get("fresh_threshold", FRESH_THRESHOLD),
                native=tuple(NativeTimes(t["primitive"], tuple(t["axis_sizes"]), tuple(t["sizes"]),
                                         tuple(t["seconds"])) for t in data.get("native", ())),
-               name=data.get("name", ""))
+               name=data.get("name", ""), basis=data.get("basis", GIVEN))
 
   def save(self, path) -> None:
     with open(path, "w") as f:
@@ -220,7 +234,7 @@ class Profile:
 
 def _gpu(name: str, hbm_bytes_per_s: float, link_bytes_per_s: float, alpha: float) -> Profile:
   return Profile(links={ANY_AXIS: Link(alpha, 1 / link_bytes_per_s)},
-                 gamma=3 / hbm_bytes_per_s, name=name)
+                 gamma=3 / hbm_bytes_per_s, name=name, basis=DATASHEET)
 
 
 PRESETS: dict[str, Profile] = {
