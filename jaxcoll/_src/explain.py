@@ -100,7 +100,7 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
   if primitive not in PRIMITIVES:
     raise ValueError(f"primitive={primitive!r} is not a collective; expected one of {PRIMITIVES}")
   axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  shape_of = dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
+  shape_of = mesh_shape(mesh)
   for a in axes:
     if a not in shape_of:
       raise ValueError(f"axis_name={a!r} is not an axis of the mesh; its axes: {tuple(shape_of)}")
@@ -127,6 +127,11 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
     rows.append(ExplainRow(c.label, steps, per_axis, c.predicted_s, c.label == chosen))
   return Explanation(primitive, axes, sizes, nbytes, profile.name, chosen, override is not None,
                      tuple(rows), fmt.name if fmt else None, dispatch.trusted(profile))
+
+
+def mesh_shape(mesh) -> dict:
+  """``{axis name: size}`` of a ``Mesh``, an abstract mesh, or such a mapping itself."""
+  return dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
 
 
 def fmt_bytes(b: float) -> str:

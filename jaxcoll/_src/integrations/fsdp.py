@@ -212,6 +212,12 @@ def _assemble(s: Sharded, got, num_stages: int):
   return _trim(s, full.reshape(block[:s.axis] + (-1,) + block[s.axis + 1:]))
 
 
+def _plans(sharded, axis_name, secondary_axis, options: dict):
+  """Every :class:`Sharded` leaf's gather stages (:func:`_leaf_stages`)."""
+  stages = _split(axes_lib.normalize(axis_name), secondary_axis)
+  return _map_sharded(lambda s: _leaf_stages(s, stages, options), sharded)
+
+
 def _map_sharded(f, *trees):
   return jax.tree.map(lambda s, *rest: f(s, *rest) if _is_sharded(s) else s, *trees,
                       is_leaf=_is_sharded)
@@ -241,14 +247,10 @@ def gather(params, axis_name, *, algorithm="auto", wire_dtype=None, grad_wire_dt
   axes (a sum, as lax's all_gather transposes to psum_scatter), computed in float32 at least.
   Cost per stage of n devices (ring): forward (n-1)/n * M, backward the same.
   """
-  stages = _split(axes_lib.normalize(axis_name), secondary_axis)
   options = dict(algorithm=algorithm, wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype,
                  dtype=dtype)
-
-  def leaf(s):
-    plan = _leaf_stages(s, stages, options)
-    return _assemble(s, _run(s.value, plan), len(plan))
-  return _map_sharded(leaf, params)
+  return _map_sharded(lambda s, p: _assemble(s, _run(s.value, p), len(p)), params,
+                      _plans(params, axis_name, secondary_axis, options))
 
 
 def layer(fn: Callable, axis_name, *, secondary_axis=None, algorithm="auto", wire_dtype=None,
@@ -270,9 +272,7 @@ def layer(fn: Callable, axis_name, *, secondary_axis=None, algorithm="auto", wir
                  dtype=dtype)
   kept = 0 if secondary_axis is None else 1    # stages whose result forward keeps
 
-  def plan(sharded):
-    stages = _split(axes_lib.normalize(axis_name), secondary_axis)
-    return _map_sharded(lambda s: _leaf_stages(s, stages, options), sharded)
+  plan = lambda sharded: _plans(sharded, axis_name, secondary_axis, options)   # noqa: E731
 
   def apply(sharded, plans, mids, args):
     """fn on the parameters rebuilt from ``mids`` (each leaf's first ``kept`` stages done)."""

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 
 import jax
 import numpy as np
 
 from jaxcoll._src.dispatch import NATIVE_MARGIN
-from jaxcoll._src.explain import Explanation, explain, fmt_bytes, fmt_seconds
+from jaxcoll._src.explain import Explanation, explain, fmt_bytes, fmt_seconds, mesh_shape
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.table import Table
 
@@ -111,7 +110,7 @@ def explain_moe(x, k: int, *, num_experts: int, capacity: int, mesh, axis_name,
   t, d = map(int, x.shape)
   dtype = np.dtype(x.dtype)
   axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  shape_of = dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
+  shape_of = mesh_shape(mesh)
   n = math.prod(int(shape_of.get(a, 1)) for a in axes)
   sds = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)   # noqa: E731
   price = lambda prim, v, wire=None: explain(prim, v, mesh, axes, profile,   # noqa: E731
