@@ -1,40 +1,85 @@
-"""Measures the "cpu" preset: ``jaxcoll.calibrate`` on 8 CPU devices in one process.
+"""Measures the "cpu" preset: in one process, across two, and one fit of both.
 
   python benchmarks/calibrate_cpu.py            # writes jaxcoll/presets/cpu.json
 
-One axis "x" of 8 devices; every native collective at 1 KiB to 64 MiB per device.
+runs the two halves and fits them together (``jaxcoll._src.calibrate.fit``):
+  --part process: 8 CPU devices in one process, one axis "x" (every link "process");
+  --part host: under ``jaxcoll.launch -n 2 --devices-per-process 4``, a ("node", "local")
+    mesh of 2 x 4 over the two processes (links "process" and "host": gloo on loopback),
+    the lax collectives over both axes, and over each alone;
+each at 1 KiB to 64 MiB per device, every size timed side by side (medians). The
+measurements are kept in benchmarks/out/calibrate-<part>.json; ``--fit`` refits them.
+No other host was measured: the preset's "*" link, which prices "network" links, is the
+"host" one.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import subprocess
+import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-import jaxcoll  # noqa: E402
-
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "out")
 SIZES = tuple(1 << k for k in range(10, 27, 2))   # 1 KiB ... 64 MiB, x4
+PRESET = os.path.join(HERE, "..", "jaxcoll", "presets", "cpu.json")
+
+
+def part_path(part: str) -> str:
+  return os.path.join(OUT, f"calibrate-{part}.json")
+
+
+def measure(part: str, reps: int) -> None:
+  if part == "process":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+  import jax
+  import numpy as np
+
+  import jaxcoll
+  from jaxcoll._src import calibrate
+  if part == "host":
+    jaxcoll.distributed.initialize()
+  devices = np.array(jax.devices()[:8])
+  mesh = (jax.sharding.Mesh(devices, ("x",)) if part == "process" else
+          jax.sharding.Mesh(devices.reshape(2, 4), ("node", "local")))
+  measured = calibrate.measure(mesh, sizes=SIZES, reps=reps, progress=jax.process_index() == 0)
+  if jax.process_index() == 0:
+    os.makedirs(OUT, exist_ok=True)
+    with open(part_path(part), "w") as f:
+      json.dump(measured.to_json(), f)
+    print(f"{part}: links {measured.classes}; wrote {part_path(part)}", flush=True)
+
+
+def fit(out: str) -> None:
+  from jaxcoll._src import calibrate
+  parts = []
+  for part in ("process", "host"):
+    with open(part_path(part)) as f:
+      parts.append(calibrate.Measurements.from_json(json.load(f)))
+  prof = calibrate.fit(parts, name="cpu")
+  prof.save(out)
+  print(f"wrote {out}: {prof.summary()}")
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--out", default=os.path.join(os.path.dirname(jaxcoll.__file__),
-                                                    "presets", "cpu.json"))
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--part", choices=("process", "host"))
+  parser.add_argument("--fit", action="store_true", help="only refit the kept measurements")
+  parser.add_argument("--out", default=PRESET)
   parser.add_argument("--reps", type=int, default=5)
   args = parser.parse_args()
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
-  prof = jaxcoll.calibrate(mesh, sizes=SIZES, reps=args.reps, name="cpu")
-  # the preset prices every axis name with the measured link
-  prof = dataclasses.replace(prof, links={"*": dict(prof.links)["x"]})
-  prof.save(args.out)
-  print(f"wrote {args.out}: {prof.summary()}")
+  if args.part:
+    measure(args.part, args.reps)
+    return
+  if not args.fit:
+    me = [sys.executable, os.path.abspath(__file__), "--reps", str(args.reps), "--part"]
+    subprocess.run(me + ["process"], check=True)
+    subprocess.run([sys.executable, "-m", "jaxcoll.launch", "-n", "2", "--devices-per-process",
+                    "4", "--timeout", "3600", "--"] + me + ["host"], check=True)
+  fit(args.out)
 
 
 if __name__ == "__main__":

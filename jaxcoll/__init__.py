@@ -14,7 +14,7 @@ from jaxcoll._src.collectives import (
 )
 from jaxcoll._src.config import config
 from jaxcoll._src.dispatch import Hierarchical
-from jaxcoll._src.explain import Explanation, explain
+from jaxcoll._src.explain import Explanation, Explanations, explain
 from jaxcoll._src.integrations.data_parallel import data_parallel
 from jaxcoll._src.integrations.per_device import PerDevice
 from jaxcoll._src.integrations.rewrite import use
@@ -32,6 +32,7 @@ __all__ = (
     "WIRE_DTYPES",
     "AxisTraffic",
     "Explanation",
+    "Explanations",
     "Hierarchical",
     "Link",
     "NativeTimes",

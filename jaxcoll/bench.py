@@ -37,7 +37,9 @@ import os
 import re
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import tqdm
 
 BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -49,6 +51,12 @@ BUS_FACTOR = {
 }
 OPS = tuple(BUS_FACTOR)
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+# nccl-tests' -d names (and numpy's): "float" is float32 there, float64 in numpy
+DTYPES = {"int8": "int8", "char": "int8", "uint8": "uint8", "int32": "int32", "int": "int32",
+          "uint32": "uint32", "int64": "int64", "uint64": "uint64", "half": "float16",
+          "float16": "float16", "fp16": "float16", "float": "float32", "float32": "float32",
+          "fp32": "float32", "double": "float64", "float64": "float64", "fp64": "float64",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 def parse_size(text: str) -> int:
@@ -58,6 +66,29 @@ def parse_size(text: str) -> int:
     raise argparse.ArgumentTypeError(f"size {text!r}: expected a number of bytes such as 8, "
                                      "64K, 16M or 1G")
   return int(m.group(1)) * UNITS[m.group(2).upper()]
+
+
+def parse_dtype(name) -> object:
+  """``-d``: an nccl-tests type name (float, half, bfloat16, int8, ...) or numpy's, as the numpy
+  dtype JAX will really run. 64-bit types need x64 (JAX runs them as 32-bit otherwise)."""
+  import jax
+  import jax.numpy as jnp
+  key = str(getattr(name, "name", name)).strip().lower()
+  if key not in DTYPES:
+    raise ValueError(f"-d/--dtype {name!r}: expected one of {', '.join(sorted(DTYPES))}")
+  dt = jnp.dtype(DTYPES[key])
+  if dt.itemsize == 8 and not jax.config.jax_enable_x64:
+    raise ValueError(f"-d/--dtype {name!r} is a 64-bit type; JAX computes it as 32-bit unless "
+                     "x64 is on (JAX_ENABLE_X64=1), which would halve the bytes timed")
+  return dt
+
+
+def size_label(b: float) -> str:
+  """nccl-tests' human sizes: 8, 4K, 1M, 2G."""
+  for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+    if b >= size and b % size == 0:
+      return f"{int(b // size)}{unit}"
+  return f"{int(b)}"
 
 
 def size_sweep(begin: int, end: int, factor: float, step: int = 0) -> list[int]:
@@ -94,7 +125,8 @@ class Row:
 def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", *,
         mesh=None, axes: Sequence[str] | None = None, dtype="float32", iters: int = 20,
         warmup: int = 5, check: bool = False, profile=None, min_seconds: float = 0.0,
-        progress: bool = False, wire: Sequence[str] = ()) -> list[Row]:
+        progress: bool = False, wire: Sequence[str] = (),
+        on_rows: Callable[[list[Row]], None] | None = None) -> list[Row]:
   """Measures ``op`` at every size with every algorithm; returns one :class:`Row` each.
 
   Args:
@@ -112,11 +144,12 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
     profile: a :class:`jaxcoll.Profile` (or preset name): auto prices with it, and
       every row gets its predicted time.
     min_seconds: more rounds per size until they have taken this long.
-    progress: a progress bar on stderr (process 0, tqdm when installed).
+    progress: a progress bar on stderr (process 0, tqdm).
     wire: compressed wire formats (all_reduce, reduce_scatter, all_gather, all_to_all): every
       scheduled algorithm also runs with each, labelled ``ring [int8]``. The
       inputs are then standard normal (not small integers), and ``check`` records
       each row's largest error relative to the native result's largest magnitude.
+    on_rows: called with each size's rows as soon as they are measured.
   """
   import jax
   import numpy as np
@@ -153,19 +186,14 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
                        f"expected 'auto', 'all' or some of {valid}")
   if wire and op not in WIRE_PRIMITIVES:
     raise ValueError(f"--wire compresses {', '.join(WIRE_PRIMITIVES)}, not {op}")
-  dt = np.dtype(dtype)
+  dt = parse_dtype(dtype)
   spec = P(mesh.axis_names)
   sharding = NamedSharding(mesh, spec)
   devices = mesh.devices.size
   axis_arg = axes if len(axes) > 1 else axes[0]
   prof = dispatch.profile_in_use(profile)
-  bar = None
-  if progress and jax.process_index() == 0:
-    try:
-      from tqdm import tqdm
-      bar = tqdm(total=len(sizes), desc=f"{op}", file=sys.stderr, leave=False)
-    except ImportError:
-      pass
+  bar = tqdm.tqdm(total=len(sizes), desc=op, file=sys.stderr, leave=False,
+                  disable=not (progress and jax.process_index() == 0))
 
   with jaxcoll.config(profile=profile) if profile is not None else contextlib.nullcontext():
     rows = []
@@ -211,18 +239,20 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
           else:
             wrong[k] = _count_wrong(_local(f(x)), want)
       weighed = {c.label: c.predicted_s for c in candidates}
+      measured = []
       for key, label in zip(keys, labels):
         med = statistics.median(times[key])
         algbw = nbytes / med / 1e9
         predicted = weighed.get(key[0]) if profile is not None and key[1] is None else None
-        rows.append(Row(op, nbytes, int(count), dt.name, label, med * 1e6, algbw,
-                        algbw * BUS_FACTOR[op](n), wrong[key],
-                        None if predicted is None else predicted * 1e6, len(times[key]),
-                        errors[key]))
-      if bar is not None:
-        bar.update()
-  if bar is not None:
-    bar.close()
+        measured.append(Row(op, nbytes, int(count), dt.name, label, med * 1e6, algbw,
+                            algbw * BUS_FACTOR[op](n), wrong[key],
+                            None if predicted is None else predicted * 1e6, len(times[key]),
+                            errors[key]))
+      rows += measured
+      bar.update()
+      if on_rows is not None:
+        on_rows(measured)
+  bar.close()
   return rows
 
 
@@ -258,25 +288,6 @@ def _relative_error(got, want) -> float:
 
 # ------------------------------------------------------------------ output
 
-HEADERS = ("size", "count", "type", "algorithm", "time (us)", "algbw (GB/s)", "busbw (GB/s)",
-           "vs native", "#wrong", "rel err", "predicted (us)")
-
-
-def table(rows: Sequence[Row], title: str = ""):
-  """The rows as a table; "vs native": time over the native row's of the same op and size."""
-  from jaxcoll._src.table import Table
-  native = {(r.op, r.size): r.time_us for r in rows if r.algorithm == "native"}
-  cells = []
-  for r in rows:
-    ratio = native.get((r.op, r.size))
-    cells.append((r.size, r.count, r.dtype, r.algorithm, f"{r.time_us:.1f}", f"{r.algbw_gbs:.3f}",
-                  f"{r.busbw_gbs:.3f}", "-" if ratio is None else f"{r.time_us / ratio:.2f}",
-                  "-" if r.wrong is None else r.wrong,
-                  "-" if r.rel_err is None else f"{r.rel_err:.1e}",
-                  "-" if r.predicted_us is None else f"{r.predicted_us:.1f}"))
-  return Table.of(title, HEADERS, cells)
-
-
 def to_csv(rows: Sequence[Row]) -> str:
   out = io.StringIO()
   fields = [f.name for f in dataclasses.fields(Row)]
@@ -287,28 +298,88 @@ def to_csv(rows: Sequence[Row]) -> str:
   return out.getvalue()
 
 
-def plot(rows: Sequence[Row], path: str) -> None:
-  """busbw against size, one line per (op, algorithm); needs matplotlib."""
+COLUMNS = (("size", "(B)", 12), ("count", "(elements)", 12), ("type", "", 9),
+           ("algorithm", "", 34), ("time", "(us)", 11), ("algbw", "(GB/s)", 8),
+           ("busbw", "(GB/s)", 8), ("vs native", "", 10), ("#wrong", "", 7),
+           ("rel err", "", 8), ("predicted", "(us)", 10))
+
+
+def header_lines(title: str) -> list[str]:
+  """nccl-tests' header: every line starts with ``#``."""
+  names = " ".join(f"{n:>{w}}" if i != 3 else f"  {n:<{w - 2}}" for i, (n, _, w)
+                   in enumerate(COLUMNS))
+  units = " ".join(f"{u:>{w}}" if i != 3 else f"  {u:<{w - 2}}" for i, (_, u, w)
+                   in enumerate(COLUMNS))
+  return [f"# {title}", "#", "#" + names[1:], "#" + units[1:]]
+
+
+def row_lines(rows: Sequence[Row]) -> list[str]:
+  """One size's rows, as measured (the columns of :func:`header_lines`); "vs native": time
+  over the native row's of the same op and size."""
+  native = {(r.op, r.size): r.time_us for r in rows if r.algorithm == "native"}
+  out = []
+  for r in rows:
+    ratio = native.get((r.op, r.size))
+    cells = (r.size, r.count, r.dtype, r.algorithm, f"{r.time_us:.1f}", f"{r.algbw_gbs:.3f}",
+             f"{r.busbw_gbs:.3f}", "-" if ratio is None else f"{r.time_us / ratio:.2f}",
+             "-" if r.wrong is None else r.wrong,
+             "-" if r.rel_err is None else f"{r.rel_err:.1e}",
+             "-" if r.predicted_us is None else f"{r.predicted_us:.1f}")
+    out.append(" ".join(f"{c:>{w}}" if i != 3 else f"  {c:<{w - 2}}"
+                        for i, (c, (_, _, w)) in enumerate(zip(cells, COLUMNS))))
+  return out
+
+
+def footer_lines(rows: Sequence[Row]) -> list[str]:
+  """nccl-tests' closing lines: wrong values, and the average bus bandwidth (over every row;
+  then per algorithm)."""
+  wrong = sum(r.wrong or 0 for r in rows)
+  out = [f"# Out of bounds values : {wrong} {'OK' if not wrong else 'FAILED'}",
+         f"# Avg bus bandwidth    : {statistics.mean(r.busbw_gbs for r in rows):.4g}"
+         if rows else "# Avg bus bandwidth    : -"]
+  for algo in dict.fromkeys(r.algorithm.split(" -> ")[0] for r in rows):
+    mine = [r.busbw_gbs for r in rows if r.algorithm.split(" -> ")[0] == algo]
+    out.append(f"#   {algo:<32} : {statistics.mean(mine):.4g}")
+  return out
+
+
+def require_matplotlib() -> None:
+  """``--plot``'s check, made before any measuring."""
   try:
-    import matplotlib
+    import matplotlib  # noqa: F401
   except ImportError as e:
-    raise SystemExit("--plot needs matplotlib: pip install 'jaxcoll[plot]'") from e
+    raise SystemExit("--plot needs matplotlib: pip install 'jaxcoll[plot]' "
+                     "(nothing was measured)") from e
+
+
+def plot(rows: Sequence[Row], path: str, title: str = "") -> None:
+  """busbw against size, log-log, one line per (op, algorithm), native in black."""
+  require_matplotlib()
+  import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+  from matplotlib.ticker import FuncFormatter
+  fig, ax = plt.subplots(figsize=(7.5, 4.8))
   ops = sorted({r.op for r in rows})
   for op in ops:
     for algo in dict.fromkeys(r.algorithm.split(" -> ")[0] for r in rows if r.op == op):
       mine = [r for r in rows if r.op == op and r.algorithm.split(" -> ")[0] == algo]
       label = algo if len(ops) == 1 else f"{op} {algo}"
-      ax.plot([r.size for r in mine], [r.busbw_gbs for r in mine], marker="o", label=label)
+      style = (dict(color="black", linewidth=2.5, zorder=5) if algo == "native" else
+               dict(linestyle="--") if algo == "auto" else {})
+      ax.plot([r.size for r in mine], [max(r.busbw_gbs, 1e-9) for r in mine], marker="o",
+              markersize=3, label=label, **style)
   ax.set_xscale("log", base=2)
-  ax.set_xlabel("message size per device (bytes)")
+  ax.set_yscale("log")
+  ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: size_label(v)))
+  ax.set_xlabel("message size per device")
   ax.set_ylabel("busbw (GB/s)")
-  ax.grid(True, alpha=0.3)
+  ax.set_title(title, fontsize=9)
+  ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 def _write(text: str, path: str) -> None:
@@ -333,7 +404,12 @@ def _parser() -> argparse.ArgumentParser:
                  help=f"one or more (comma-separated) of {', '.join(OPS)}")
   p.add_argument("--algorithm", default="all",
                  help="comma-separated names of jaxcoll.algorithms(op) and 'auto', or 'all'")
-  p.add_argument("-d", "--dtype", default="float32")
+  p.add_argument("-d", "--datatype", "--dtype", dest="dtype", default="float",
+                 help="nccl-tests' names (float, half, bfloat16, int8, int32, ...) or numpy's "
+                      "(default float: float32)")
+  p.add_argument("-o", "--op-reduce", dest="redop", default="sum",
+                 help="nccl-tests' reduction op; the bench times sum (jaxcoll.all_reduce takes "
+                      "op='prod', 'min', 'max', 'mean' in your program)")
   p.add_argument("-n", "--iters", type=int, default=20, help="timed rounds (default 20)")
   p.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up calls (default 5)")
   p.add_argument("--min-seconds", type=float, default=0.0,
@@ -341,8 +417,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--wire", default=None, metavar="W[,W...]",
                  help="also run each scheduled algorithm with these compressed wire formats "
                       "(bfloat16, float8_e4m3fn, float8_e5m2, int8)")
-  p.add_argument("-c", "--check", action="store_true",
-                 help="count elements that differ from the native collective's result")
+  p.add_argument("-c", "--check", type=int, nargs="?", const=1, default=0, choices=(0, 1),
+                 help="count elements that differ from the native collective's result "
+                      "(-c, -c 1; nccl-tests' form)")
   p.add_argument("--mesh", default=None, help="mesh shape, e.g. 2x4 (default: all devices)")
   p.add_argument("--axes", default=None, help="mesh axis names, e.g. node,local")
   p.add_argument("--over", default=None,
@@ -357,8 +434,9 @@ def _parser() -> argparse.ArgumentParser:
                       "and use that profile (instead of --profile)")
   p.add_argument("--save-profile", default=None, metavar="PATH",
                  help="write the profile --calibrate measured")
-  p.add_argument("--devices", type=int, default=8,
-                 help="CPU devices in a single-process run (default 8)")
+  p.add_argument("-g", "--devices", type=int, default=8,
+                 help="CPU devices in a single-process run (default 8; nccl-tests' -g, GPUs "
+                      "per thread); for several processes use jaxcoll-launch")
   p.add_argument("--json", default=None, metavar="PATH", help="rows as JSON ('-': stdout)")
   p.add_argument("--csv", default=None, metavar="PATH", help="rows as CSV ('-': stdout)")
   p.add_argument("--plot", default=None, metavar="PNG", help="busbw vs size (matplotlib)")
@@ -368,6 +446,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = _parser().parse_args(argv)
+  if args.redop != "sum":
+    raise SystemExit(f"-o {args.redop}: the bench times sum only; jaxcoll.all_reduce(x, axis, "
+                     "op='prod'|'min'|'max'|'mean') runs the others in your program")
+  if args.plot:
+    require_matplotlib()
   from jaxcoll import distributed
   if distributed.launched():
     distributed.initialize()
@@ -383,6 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if op not in OPS:
       raise SystemExit(f"--op {op!r}: expected one of {', '.join(OPS)}")
   try:
+    dtype = parse_dtype(args.dtype)
     sizes = ([parse_size(v) for v in args.sizes.split(",")] if args.sizes else
              size_sweep(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes))
   except (ValueError, argparse.ArgumentTypeError) as e:
@@ -400,47 +484,62 @@ def main(argv: Sequence[str] | None = None) -> int:
   algorithms = "all" if args.algorithm == "all" else [a.strip() for a in
                                                        args.algorithm.split(",")]
   main_process = jax.process_index() == 0
+  to_stdout = args.json == "-" or args.csv == "-"
+  say = (lambda lines: print("\n".join(lines), flush=True)) \
+      if main_process and not to_stdout else (lambda lines: None)
   profile = args.profile
   if args.calibrate:
     import jaxcoll
     profile = jaxcoll.calibrate(mesh, over, [parse_size(v) for v in args.calibrate.split(",")],
                                 primitives=ops, progress=not args.no_progress and main_process,
                                 name="calibrated")
-    if main_process:
-      print(f"calibrated: {profile.summary()}", flush=True)
-      if args.save_profile:
-        profile.save(args.save_profile)
-  rows = []
-  for op in ops:
-    chosen = algorithms
-    if args.pieces and op != "all_to_all":   # all_to_all stages forward whole blocks
-      import jaxcoll
-      chosen = [*([*jaxcoll.algorithms(op, num_axes=len(over)), "auto"] if algorithms == "all"
-                  else algorithms),
-                jaxcoll.Hierarchical(pieces=tuple(int(v) for v in args.pieces.split(",")))]
-    try:
-      rows += run(op, sizes, chosen, mesh=mesh, axes=over, dtype=args.dtype,
-                  iters=args.iters, warmup=args.warmup_iters, check=args.check,
-                  profile=profile, min_seconds=args.min_seconds,
-                  progress=not args.no_progress,
-                  wire=tuple(w.strip() for w in args.wire.split(",")) if args.wire else ())
-    except ValueError as e:
-      raise SystemExit(str(e)) from e
-  if not main_process:
-    return 0
+    say([f"# calibrated: {profile.summary()}"])
+    if args.save_profile and main_process:
+      profile.save(args.save_profile)
   allocator = "jemalloc" if "jemalloc" in os.environ.get("LD_PRELOAD", "") else "system malloc"
-  title = (f"{jax.process_count()} process(es), {jax.device_count()} devices "
-           f"({jax.default_backend()}), mesh {dict(mesh.shape)}, over {over}, "
-           f"medians of {args.iters} rounds; allocator {allocator}")
-  if args.json != "-" and args.csv != "-":
-    table(rows, title).print()
+  title = (f"{', '.join(ops)}, {dtype.name}: {jax.process_count()} process(es), "
+           f"{jax.device_count()} devices ({jax.default_backend()}), mesh {dict(mesh.shape)}, "
+           f"over {over}, medians of {args.iters} rounds; allocator {allocator}")
+  say(header_lines(title))
+  rows: list[Row] = []
+  interrupted = False
+
+  def took(measured: list[Row]) -> None:   # each size's rows, as soon as they are measured
+    rows.extend(measured)
+    say(row_lines(measured))
+
+  try:
+    for op in ops:
+      chosen = algorithms
+      if args.pieces and op != "all_to_all":   # all_to_all stages forward whole blocks
+        import jaxcoll
+        chosen = [*([*jaxcoll.algorithms(op, num_axes=len(over)), "auto"]
+                    if algorithms == "all" else algorithms),
+                  jaxcoll.Hierarchical(pieces=tuple(int(v) for v in args.pieces.split(",")))]
+      try:
+        run(op, sizes, chosen, mesh=mesh, axes=over, dtype=dtype, iters=args.iters,
+            warmup=args.warmup_iters, check=bool(args.check), profile=profile,
+            min_seconds=args.min_seconds, progress=not args.no_progress,
+            wire=tuple(w.strip() for w in args.wire.split(",")) if args.wire else (),
+            on_rows=took)
+      except ValueError as e:
+        raise SystemExit(str(e)) from e
+  except KeyboardInterrupt:   # keep what was measured
+    interrupted = True
+  if not main_process:
+    return 130 if interrupted else 0
+  say(footer_lines(rows) + (["# interrupted: the rows above were measured"]
+                            if interrupted else []))
   if args.json:
-    _write(json.dumps({"title": title, "rows": [dataclasses.asdict(r) for r in rows]},
-                      indent=1) + "\n", args.json)
+    _write(json.dumps({"title": title, "interrupted": interrupted,
+                       "rows": [dataclasses.asdict(r) for r in rows]}, indent=1) + "\n",
+           args.json)
   if args.csv:
     _write(to_csv(rows), args.csv)
   if args.plot:
-    plot(rows, args.plot)
+    plot(rows, args.plot, title)
+  if interrupted:
+    return 130
   bad = sum(r.wrong or 0 for r in rows)
   if bad:
     print(f"{bad} wrong elements", file=sys.stderr)

@@ -11,9 +11,10 @@ side cannot reach). It also makes an uncaught exception end the process at once,
 after printing its traceback: a normal exit would first wait in
 ``jax.distributed``'s shutdown barrier for peers that are themselves waiting in a
 collective for this process, so the launcher would see the failure only when a
-timeout fires (30 s of heartbeats here). Otherwise it defers to ``jax.distributed.initialize()``,
-whose own cluster detection covers SLURM, Open MPI, Kubernetes and cloud TPU
-jobs unchanged.
+timeout fires (30 s of heartbeats here). Then every process publishes its host
+(:mod:`jaxcoll._src.topology`) and reads every other's, once. Otherwise it
+defers to ``jax.distributed.initialize()``, whose own cluster detection covers
+SLURM, Open MPI, Kubernetes and cloud TPU jobs unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ import os
 import sys
 
 from jaxcoll._src import compat
-from jaxcoll.launch import ENV_COORDINATOR, ENV_LOCAL_ADDRESS, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jaxcoll._src.launch_env import (
+  ENV_COORDINATOR,
+  ENV_LOCAL_ADDRESS,
+  ENV_NUM_PROCESSES,
+  ENV_PROCESS_ID,
+)
 
 
 def launched() -> bool:
@@ -39,6 +45,7 @@ def initialize(**kwargs) -> None:
     return
   if not launched():
     jax.distributed.initialize(**kwargs)
+    _exchange_hosts()
     return
   sys.excepthook = _exit_at_once
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -48,6 +55,18 @@ def initialize(**kwargs) -> None:
   jax.distributed.initialize(coordinator_address=os.environ[ENV_COORDINATOR],
                              num_processes=int(os.environ[ENV_NUM_PROCESSES]),
                              process_id=int(os.environ[ENV_PROCESS_ID]), **kwargs)
+  _exchange_hosts()
+
+
+def _exchange_hosts() -> None:
+  """Every process learns every other's host (:mod:`jaxcoll._src.topology`: links between
+  processes on one host are priced apart from links between hosts)."""
+  import jax
+
+  from jaxcoll._src import topology
+  client = compat.distributed_client()
+  if client is not None and jax.process_count() > 1:
+    topology.exchange_hosts(client, jax.process_index(), jax.process_count())
 
 
 def _exit_at_once(kind, value, traceback) -> None:

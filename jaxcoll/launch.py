@@ -1,6 +1,7 @@
 """Start a multi-process JAX job on this machine: ``python -m jaxcoll.launch``.
 
   python -m jaxcoll.launch -n 2 --devices-per-process 4 -- python script.py ARGS
+  jaxcoll-launch -n 2 -- python script.py ARGS      # the same, as a console script
 
 starts the command P times, as processes 0..P-1 of one ``jax.distributed`` job
 on 127.0.0.1 (a free coordinator port, CPU collectives over gloo, the CPU device
@@ -31,10 +32,13 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-ENV_COORDINATOR = "JAXCOLL_COORDINATOR"
-ENV_NUM_PROCESSES = "JAXCOLL_NUM_PROCESSES"
-ENV_PROCESS_ID = "JAXCOLL_PROCESS_ID"
-ENV_LOCAL_ADDRESS = "JAXCOLL_LOCAL_ADDRESS"   # the address gloo binds and advertises
+from jaxcoll._src.launch_env import (  # noqa: F401 (re-exported)
+  ENV_COORDINATOR,
+  ENV_LOCAL_ADDRESS,
+  ENV_NUM_PROCESSES,
+  ENV_PROCESS_ID,
+)
+
 TIMED_OUT = 124
 GRACE_SECONDS = 2.0
 

@@ -83,5 +83,36 @@ def fail() -> None:
   raise AssertionError("rank 0 finished a collective its peer never joined")
 
 
+def topology() -> None:
+  """The link classes read from the devices across two processes on one host."""
+  from jaxcoll._src import topology as topo
+  assert topo.hosts(2) == (0, 0), topo._hosts               # both ranks on this host
+  devices = np.array(jax.devices())
+  flat = Mesh(devices, ("x",))
+  mine = topo.of_devices(flat.devices, ("x",), ("x",))
+  assert mine == topo.process_major(("x",), (8,), ("x",), 2, 8, (0, 0), "cpu")
+  assert mine.used == ("host",)     # on the CPU every message of the job goes through gloo
+  # one device of each process in turn: not the standard order
+  mixed = Mesh(devices.reshape(2, 4).T.reshape(8), ("x",))
+  seen = {}
+
+  def body(v):
+    seen["default"] = topo.current(("x",), (8,))
+    with jaxcoll.config(mesh=mixed):
+      seen["given"] = topo.current(("x",), (8,), jaxcoll._src.config.current().mesh)
+      return jaxcoll.all_reduce(v, "x")
+  x = jax.make_array_from_process_local_data(NamedSharding(mixed, P("x")),
+                                             np.ones((4, 3), np.float32))
+  y = jax.jit(jax.shard_map(body, mesh=mixed, in_specs=P("x"), out_specs=P()))(x)
+  np.testing.assert_array_equal(np.asarray(y.addressable_data(0)), np.full((1, 3), 8.0))
+  assert seen["default"].source == "process-major" and seen["default"] == mine
+  given = topo.of_devices(mixed.devices, ("x",), ("x",))
+  assert seen["given"] == given and seen["given"].source == "mesh"
+  assert given == mine       # on the CPU every device is a gloo endpoint: the order is moot
+  why = jaxcoll.explain("all_reduce", jax.ShapeDtypeStruct((4096,), np.float32), flat, "x")
+  assert why.links == "host, process-major", why.links
+  print(f"rank {jax.process_index()}: topology ok", flush=True)
+
+
 if __name__ == "__main__":
-  {"collectives": collectives, "fail": fail}[sys.argv[1]]()
+  {"collectives": collectives, "fail": fail, "topology": topology}[sys.argv[1]]()

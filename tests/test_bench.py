@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxcoll
@@ -51,7 +58,8 @@ def test_cli_writes_json_and_csv(tmp_path, capsys):
   assert all(r["wrong"] == 0 for r in data["rows"])
   lines = (tmp_path / "rows.csv").read_text().splitlines()
   assert lines[0].startswith("op,size,count,dtype,algorithm,time_us") and len(lines) == 7
-  assert "busbw (GB/s)" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "busbw" in out and "(GB/s)" in out
 
 
 @pytest.mark.quick
@@ -78,3 +86,110 @@ def test_interleaved_rounds_rotate_and_stretch_to_min_seconds():
   assert 2 < len(times[0]) <= 60         # ~6 ms a round: about 17 rounds make 0.1 s
   with pytest.raises(ValueError, match="reps=0"):
     timing.interleaved(calls, reps=0)
+
+
+@pytest.mark.quick
+def test_dtype_names_are_nccl_tests_names_and_64_bit_needs_x64():
+  want = {"float": np.float32, "half": np.float16, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+          "int8": np.int8, "int32": np.int32, "uint8": np.uint8, "float32": np.float32}
+  for name, dtype in want.items():
+    assert bench.parse_dtype(name) == np.dtype(dtype), name
+  assert not jax.config.jax_enable_x64
+  for name in ("double", "int64", "float64"):
+    with pytest.raises(ValueError, match="64-bit type.*JAX_ENABLE_X64"):
+      bench.parse_dtype(name)
+  with pytest.raises(ValueError, match="-d/--dtype 'complex64': expected one of"):
+    bench.parse_dtype("complex64")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name,itemsize", [("float", 4), ("half", 2), ("bf16", 2), ("int8", 1)])
+def test_cli_times_the_dtype_it_names(tmp_path, name, itemsize):
+  """-d float runs float32 (nccl-tests' float), so algbw and busbw count 4-byte elements."""
+  out = tmp_path / "rows.json"
+  assert bench.main(["-b", "4K", "-e", "4K", "-d", name, "--algorithm", "ring,native", "-n", "1",
+                     "-w", "1", "-c", "1", "--json", str(out), "--no-progress"]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert {r["dtype"] for r in rows} == {bench.parse_dtype(name).name}
+  for r in rows:
+    assert r["count"] * itemsize == r["size"] == 4096 and r["wrong"] == 0
+    assert r["algbw_gbs"] == pytest.approx(r["size"] / (r["time_us"] * 1e-6) / 1e9)
+  with pytest.raises(SystemExit, match="64-bit type"):
+    bench.main(["-d", "double", "--no-progress"])
+
+
+@pytest.mark.quick
+def test_cli_output_has_nccl_tests_headers_and_average_bus_bandwidth(tmp_path, capsys):
+  out = tmp_path / "rows.json"
+  assert bench.main(["-b", "1K", "-e", "4K", "-f", "4", "--algorithm", "ring,native", "-n", "1",
+                     "-w", "1", "--json", str(out), "--no-progress", "-o", "sum"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  rows = json.loads(out.read_text())["rows"]
+  data = [ln for ln in lines if ln.strip() and not ln.startswith("#")]
+  assert len(data) == len(rows) == 4          # every other line is a # comment
+  assert all(ln.startswith("#") for ln in lines[:4])
+  avg = next(ln for ln in lines if ln.startswith("# Avg bus bandwidth"))
+  assert float(avg.split(":")[1]) == pytest.approx(np.mean([r["busbw_gbs"] for r in rows]),
+                                                   rel=1e-3)
+  assert "# Out of bounds values : 0 OK" in lines
+
+
+@pytest.mark.quick
+def test_cli_refuses_nccl_tests_flags_it_cannot_honour_with_a_pointer():
+  with pytest.raises(SystemExit, match="-o max: the bench times sum only; jaxcoll.all_reduce"):
+    bench.main(["-o", "max"])
+  assert bench._parser().parse_args(["-g", "4"]).devices == 4
+  assert bench._parser().parse_args(["-c", "0"]).check == 0
+
+
+@pytest.mark.quick
+def test_plot_checks_matplotlib_before_measuring(monkeypatch, tmp_path):
+  monkeypatch.setitem(sys.modules, "matplotlib", None)     # as if not installed
+  start = time.perf_counter()
+  with pytest.raises(SystemExit, match="--plot needs matplotlib.*nothing was measured"):
+    bench.main(["--plot", str(tmp_path / "p.png"), "-b", "1K", "-e", "64M"])
+  assert time.perf_counter() - start < 5
+
+
+def test_plot_is_log_log_with_human_sizes(tmp_path):
+  pytest.importorskip("matplotlib")
+  rows = bench.run("all_reduce", [1024, 4096, 1 << 20], ["ring", "native"], iters=1, warmup=0)
+  path = tmp_path / "p.png"
+  bench.plot(rows, str(path), title="all_reduce float32, mesh {'x': 8}")
+  assert path.stat().st_size > 10_000
+  assert [bench.size_label(v) for v in (8, 4096, 1 << 20, 3 << 30, 1000)] == \
+      ["8", "4K", "1M", "3G", "1000"]
+
+
+ENV = {**os.environ, "PYTHONWARNINGS": "error::RuntimeWarning"}
+
+
+def test_ctrl_c_keeps_the_rows_measured_and_the_json(tmp_path):
+  """A sweep stopped by SIGINT after its first size still prints and saves that size."""
+  out = tmp_path / "rows.json"
+  proc = subprocess.Popen([sys.executable, "-m", "jaxcoll.bench", "-b", "1K", "-e", "1G",
+                           "-f", "2", "--algorithm", "ring,native", "-n", "1", "-w", "0",
+                           "--json", str(out), "--no-progress"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=ENV)
+  seen = []
+  for line in proc.stdout:
+    seen.append(line)
+    if not line.startswith("#"):       # the first row: measured and printed
+      proc.send_signal(signal.SIGINT)
+      break
+  rest, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err
+  rows = json.loads(out.read_text())
+  assert rows["interrupted"] and len(rows["rows"]) >= 2
+  assert "# interrupted" in rest and "# Avg bus bandwidth" in rest
+
+
+@pytest.mark.quick
+def test_launch_runs_as_a_module_and_a_console_script_without_warnings():
+  script = os.path.join(os.path.dirname(sys.executable), "jaxcoll-launch")
+  for cmd in ([sys.executable, "-m", "jaxcoll.launch"], [script]):
+    done = subprocess.run(cmd + ["-n", "1", "--timeout", "60", "--", sys.executable, "-c",
+                                 "print('ran')"], capture_output=True, text=True, env=ENV,
+                          timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert "[0] ran" in done.stdout and "RuntimeWarning" not in done.stderr

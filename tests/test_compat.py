@@ -50,3 +50,11 @@ def test_gloo_backend_factory_internals_still_exist():
   assert {"priority", "fail_quietly"} <= set(params)
   assert "hostname" in (_jax.make_gloo_tcp_collectives.__doc__ or "")
   assert callable(jax.distributed.is_initialized) and not jax.distributed.is_initialized()
+
+
+def test_distributed_key_value_store_internals_still_exist():
+  """topology's host table goes through the distributed client's key-value store."""
+  from jax._src.lib import _jax
+  for name in ("key_value_set", "blocking_key_value_get"):
+    assert hasattr(_jax.DistributedRuntimeClient, name)
+  assert compat.distributed_client() is None    # not in a job here

@@ -13,7 +13,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 import jaxcoll
 from jaxcoll import Link, Profile
-from jaxcoll._src import cost, dispatch
+from jaxcoll._src import cost, dispatch, topology
 from jaxcoll._src.profile import PRESET_NAMES
 from tests.helpers import AXIS, count_primitive, per_device
 
@@ -96,15 +96,22 @@ def test_fresh_term_prices_only_buffers_past_the_threshold():
 
 
 @pytest.mark.parametrize("primitive,algorithm", FLAT)
-def test_features_are_predict_as_a_linear_function_of_the_profile(primitive, algorithm):
-  """What calibrate fits is what predict computes (one axis: no outermost-axis choice)."""
+@pytest.mark.parametrize("processes,hosts", [(1, None), (2, (0, 0)), (3, (0, 0, 1))])
+def test_features_are_predict_as_a_linear_function_of_the_profile(primitive, algorithm,
+                                                                   processes, hosts):
+  """What calibrate fits is what predict computes, links per class (slower classes slower:
+  the slowest class a transfer uses is the one it pays)."""
   sched = jaxcoll.schedule(primitive, algorithm, 6)
-  prof = Profile(links={AXIS: Link(3e-5, 2e-9)}, overhead=1e-4, mu=7e-5, nu=4e-10,
+  links = {"process": Link(3e-5, 2e-9), "host": Link(5e-5, 3e-9), "network": Link(9e-5, 8e-9)}
+  prof = Profile(links=links, overhead=1e-4, mu=7e-5, nu=4e-10,
                  delta=3e-11, fresh=1e-9, fresh_threshold=1e6, gamma=5e-10)
-  coef = [prof.overhead, 3e-5, 2e-9, prof.mu, prof.nu, prof.delta, prof.fresh, prof.gamma]
+  topo = topology.process_major((AXIS,), (6,), (AXIS,), processes, 6, hosts)
+  per_class = [v for c in topology.CLASSES for v in (links[c].alpha, links[c].beta)]
+  coef = [prof.overhead, *per_class, prof.mu, prof.nu, prof.delta, prof.fresh, prof.gamma]
   for nbytes in (96.0, 6e6, 6e7):
-    f = cost.features(sched, (6,), nbytes, prof.fresh_threshold)
-    assert f @ coef == pytest.approx(cost.predict(sched, prof, (AXIS,), (6,), nbytes))
+    f = cost.features(sched, (6,), nbytes, prof.fresh_threshold, topo)
+    assert f @ coef == pytest.approx(cost.predict(sched, prof, (AXIS,), (6,), nbytes,
+                                                  topology=topo))
 
 
 @pytest.mark.parametrize("primitive,algorithm", FLAT)
@@ -316,7 +323,7 @@ def test_calibrate_measures_a_live_mesh_and_refuses_to_run_traced():
   mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("node", "local"))
   prof = jaxcoll.calibrate(mesh, sizes=(1 << 10, 1 << 14), reps=1, progress=False,
                            primitives=("all_reduce", "all_to_all"))
-  assert {a for a, _ in prof.links} == {"node", "local"}
+  assert {a for a, _ in prof.links} == {"process", "*"}   # links per class, not axis name
   assert all(math.isfinite(link.alpha + link.beta) for _, link in prof.links)
   assert prof.native_times("all_reduce", (2, 2)) is not None
   assert prof.native_times("all_to_all", (2,)) is not None
@@ -351,3 +358,23 @@ def test_auto_never_leaves_native_on_an_unmeasured_profile(name):
     assert schedules_when_trusted > 0     # the rule, not the figures, keeps native
   with pytest.raises(ValueError, match="primitive"):
     jaxcoll.explain("psum", f32(8), mesh8(), AXIS, preset)
+
+
+@pytest.mark.quick
+def test_the_profile_fit_is_the_nonnegative_least_squares_optimum():
+  """KKT on 2,000 random weighted problems with columns of very different scales (as the
+  model's: seconds per call next to seconds per byte): at the optimum no coefficient is
+  negative, the gradient vanishes on the positive ones and is >= 0 on the zero ones."""
+  from jaxcoll._src.calibrate import _fit
+  rng = np.random.default_rng(0)
+  for _ in range(2000):
+    m, k = rng.integers(8, 30), rng.integers(2, 9)
+    scales = 10.0 ** rng.uniform(-9, 3, k)
+    a = rng.uniform(0, 1, (m, k)) * scales
+    t = np.abs(a @ (rng.normal(size=k) / scales) + rng.uniform(0.1, 1, m))
+    coef = _fit(a, t)
+    w = 1 / t
+    grad = ((a * w[:, None]).T @ ((a @ coef - t) * w)) * scales   # per unit of each column
+    assert (coef >= 0).all()
+    tol = 1e-6 * np.abs(grad).max(initial=1.0) + 1e-9
+    assert np.all(np.abs(grad[coef > 0]) <= tol) and np.all(grad[coef == 0] >= -tol)

@@ -34,6 +34,12 @@ def test_every_algorithm_equals_lax_across_two_processes():
     assert f"[{rank}] rank {rank}: " in done.stdout, done.stdout[-3000:]
 
 
+def test_link_classes_are_read_from_the_devices_of_two_processes():
+  done, _ = run_worker("topology", timeout=240)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert "[0] rank 0: topology ok" in done.stdout and "[1] rank 1: topology ok" in done.stdout
+
+
 def test_a_rank_that_raises_fails_the_launch_fast_with_its_traceback():
   done, elapsed = run_worker("fail", timeout=300)
   assert done.returncode == 1, done.stdout[-3000:]

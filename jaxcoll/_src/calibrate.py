@@ -2,21 +2,29 @@
 
 The cost model (:mod:`jaxcoll._src.cost`) is linear in its parameters once a
 schedule's loads are known (:func:`cost.features`): each ppermute charged to
-the outermost axis it crosses costs alpha_a + beta_a * B, plus mu per message
+the slowest class of link it uses (:mod:`topology`: where the mesh's devices
+are) costs alpha_c + beta_c * B, plus mu per message
 and nu per byte of all devices' messages over the devices, delta per buffer
 byte, fresh per byte of large buffers made anew, gamma per byte touched
 locally, plus one overhead per call. So calibration times the schedules the
 dispatcher chooses among (all_reduce by ring, recursive doubling, halving-
 doubling, binomial tree, and hierarchical over several axes; all_gather ring;
 all_to_all direct and Bruck) at every size, and fits every coefficient to those
-times by non-negative least squares weighted by 1/t (relative error). Fitting
+times by non-negative least squares (``scipy.optimize.nnls``) weighted by 1/t
+(relative error). Links come out per class, not per axis name, so a profile
+measured on one mesh prices any other mesh of the same classes. Fitting
 to whole schedules, not to one lone ppermute or one lone combine, folds in what
 a step really costs in this runtime (its loop, its slices, the transport: in a
 multi-process CPU job every pair goes through gloo). (A separately timed
 combine ``v * 0.999 + v`` is no measure of gamma: its output is a fresh buffer,
 and page faults made its slope 1.4 ns/B on the CPU testbed, where the joint fit
 gives 0.15.) Every jax.lax collective jaxcoll calls "native" is timed at every
-size too, over the whole tuple of axes and over each axis alone.
+size too, over the whole tuple of axes and over each axis alone, recorded with
+the class of the slowest link it spans (and so are the schedules timed for the
+fit: measured beats modeled, :func:`cost.schedule_times`) (times in one process do not price a
+collective across processes). :func:`measure` and :func:`fit` are the two
+halves: ``benchmarks/calibrate_cpu.py`` fits the "cpu" preset to one run in one
+process and one under ``jaxcoll.launch -n 2`` together.
 
 All programs of one size are timed side by side (:func:`timing.interleaved`:
 rounds in rotated order, medians), so none is measured on buffers left warm by
@@ -28,6 +36,7 @@ algorithm everywhere (different picks would deadlock).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import sys
@@ -35,13 +44,16 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+import scipy.optimize
+import tqdm
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll._src import compat, cost, timing
+from jaxcoll._src import compat, cost, timing, topology
 from jaxcoll._src.algorithms import schedule
 from jaxcoll._src.collectives import flat_call
-from jaxcoll._src.profile import FRESH_THRESHOLD, Link, NativeTimes, Profile
+from jaxcoll._src.profile import ANY_AXIS, FRESH_THRESHOLD, Link, NativeTimes, Profile
+from jaxcoll._src.topology import CLASSES
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 NATIVE_PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
@@ -53,54 +65,79 @@ FIT_ALGORITHMS = (("all_reduce", "ring"), ("all_reduce", "recursive_doubling"),
 
 def _fit(rows: Sequence[Sequence[float]], times: Sequence[float],
          scale: Sequence[float] | None = None) -> np.ndarray:
-  """Non-negative least squares of rows @ coef = times, each row weighted by 1 / its scale
-  (default: its time), so every point counts by its relative error. Active set: columns
-  whose coefficient comes out negative are fixed at 0 and the rest refitted."""
+  """Non-negative least squares of rows @ coef = times (``scipy.optimize.nnls``), each row
+  weighted by 1 / its scale (default: its time), so every point counts by its relative
+  error."""
   a, t = np.asarray(rows, float), np.asarray(times, float)
   w = 1.0 / np.asarray(t if scale is None else scale, float)
   a, t = a * w[:, None], t * w
-  coef = np.zeros(a.shape[1])
-  free = np.ones(a.shape[1], bool)
-  while free.any():
-    coef[:] = 0.0
-    coef[free] = np.linalg.lstsq(a[:, free], t, rcond=None)[0]
-    if (coef >= 0).all():
-      break
-    free &= coef > 0
-  return np.maximum(coef, 0.0)
+  norms = np.linalg.norm(a, axis=0)
+  norms[norms == 0] = 1.0     # columns of different units: solve on unit columns
+  return scipy.optimize.nnls(a / norms, t)[0] / norms
 
 
-class _Progress:
-  """A tqdm bar on stderr, one tick per size, when enabled and tqdm is installed."""
+@dataclasses.dataclass(frozen=True)
+class Measurements:
+  """What :func:`measure` timed on one mesh: the feature rows and times of the schedules the
+  model is fitted to, and the lax collectives' times. :func:`fit` turns one or more of them
+  (say one process and two) into a :class:`Profile`; ``to_json`` keeps them for later."""
 
-  def __init__(self, total: int, enabled: bool):
-    self.bar = None
-    if enabled:
-      try:
-        from tqdm import tqdm
-        self.bar = tqdm(total=total, desc="calibrate", file=sys.stderr, leave=False)
-      except ImportError:
-        pass
+  rows: tuple[tuple[float, ...], ...]
+  times: tuple[float, ...]
+  native: tuple[NativeTimes, ...]
+  classes: tuple[str, ...]     # the link classes the mesh uses
+  platform: str
 
-  def note(self, label: str):
-    if self.bar is not None:
-      self.bar.set_postfix_str(label, refresh=False)
+  @property
+  def span(self) -> str:
+    """The slowest class of link the mesh uses."""
+    return max(self.classes, key=CLASSES.index)
 
-  def step(self):
-    if self.bar is not None:
-      self.bar.update()
+  def to_json(self) -> dict:
+    return {"rows": self.rows, "times": self.times, "classes": self.classes,
+            "platform": self.platform, "native": Profile(native=self.native).to_json()["native"]}
 
-  def close(self):
-    if self.bar is not None:
-      self.bar.close()
+  @classmethod
+  def from_json(cls, data: dict) -> Measurements:
+    native = Profile.from_json({"native": data["native"]}).native
+    return cls(tuple(map(tuple, data["rows"])), tuple(data["times"]), native,
+               tuple(data["classes"]), data["platform"])
+
+
+def fit(measured: Sequence[Measurements], name: str = "calibrated") -> Profile:
+  """The profile whose predictions best match the measurements (relative error), links per
+  class measured; the ``"*"`` link (classes never measured) is the slowest measured one.
+  Measurements of meshes that span slower links (another process) are fitted apart and kept
+  as the profile's ``spans``: on the CPU every term differs there."""
+  spans = sorted({m.span for m in measured}, key=CLASSES.index)
+  if len(spans) > 1:
+    own, *others = ([m for m in measured if m.span == s] for s in spans)
+    return dataclasses.replace(_fit_one(own, name), spans={
+        s: _fit_one(group, f"{name} across {s}") for s, group in zip(spans[1:], others)})
+  return _fit_one(measured, name)
+
+
+def _fit_one(measured: Sequence[Measurements], name: str) -> Profile:
+  rows = [r for m in measured for r in m.rows]
+  coef = _fit(rows, [t for m in measured for t in m.times])
+  used = {c for m in measured for c in m.classes}
+  links = {c: Link(alpha=float(coef[1 + 2 * i]), beta=float(coef[2 + 2 * i]))
+           for i, c in enumerate(CLASSES) if c in used}
+  links[ANY_AXIS] = links[max(used, key=CLASSES.index)]
+  mu, nu, delta, fresh, gamma = map(float, coef[-5:])
+  return Profile(links=links, overhead=float(coef[0]), mu=mu, nu=nu, delta=delta, fresh=fresh,
+                 fresh_threshold=FRESH_THRESHOLD, gamma=gamma,
+                 native=tuple(t for m in measured for t in m.native), name=name,
+                 basis=measured[0].platform)
 
 
 def calibrate(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DEFAULT_SIZES, *,
               reps: int = 5, min_seconds: float = 1.0,
               primitives: Sequence[str] = NATIVE_PRIMITIVES, progress: bool = True,
               name: str = "calibrated") -> Profile:
-  """Measures the cost model's coefficients (alpha and beta per axis, mu, nu, delta, fresh,
-  gamma, the call overhead) and the native collectives' times; returns a :class:`Profile`.
+  """Measures the cost model's coefficients (alpha and beta per link class the mesh uses,
+  mu, nu, delta, fresh, gamma, the call overhead) and the native collectives' times;
+  returns a :class:`Profile` (``fit(measure(...))``).
 
   Args:
     mesh: the ``jax.sharding.Mesh`` to measure (all its devices take part).
@@ -110,11 +147,20 @@ def calibrate(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DE
     min_seconds: more rounds per size until they have taken about this long
       (cheap, small sizes get more: that is where gloo's stalls hide the signal).
     primitives: the native collectives to time.
-    progress: show a progress bar on stderr (tqdm, when installed).
+    progress: show a progress bar on stderr (tqdm).
     name: the profile's name.
 
   Runs programs on the mesh, so it must be called outside jit / shard_map.
   """
+  return fit([measure(mesh, axes, sizes, reps=reps, min_seconds=min_seconds,
+                      primitives=primitives, progress=progress)], name=name)
+
+
+def measure(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DEFAULT_SIZES, *,
+            reps: int = 5, min_seconds: float = 1.0,
+            primitives: Sequence[str] = NATIVE_PRIMITIVES,
+            progress: bool = True) -> Measurements:
+  """The timings :func:`calibrate` fits (its arguments)."""
   if not compat.trace_state_clean():
     raise RuntimeError("calibrate() runs programs on the mesh; call it outside jit, shard_map "
                        "and other transformations, then pass the profile to jaxcoll.config")
@@ -146,17 +192,18 @@ def calibrate(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DE
     for primitive in primitives:
       programs.append((primitive, program(
           lambda v, p=primitive, g=group: flat_call(p, v, g if len(g) > 1 else g[0], "native"))))
-  bar = _Progress(len(sizes), progress)
+  bar = tqdm.tqdm(total=len(sizes), desc="calibrate", file=sys.stderr, leave=False,
+                  disable=not progress)
   measured = np.zeros((len(programs), len(sizes)))
   for j, s in enumerate(sizes):
     inputs = {k: jax.device_put(np.zeros((devices, k // 4), np.float32), sharding)
               for k in {_input_for(p, s) for p, _ in programs}}   # shared: memory, not time
     args = [inputs[_input_for(p, s)] for p, _ in programs]
     calls = [lambda fn=fn, x=x: fn(x).block_until_ready() for (_, fn), x in zip(programs, args)]
-    times = timing.interleaved(calls, reps=reps, min_seconds=min_seconds,
-                               on_round=lambda r, k, s=s: bar.note(f"{s} B, round {r}/{k}"))
+    note = lambda r, k, s=s: bar.set_postfix_str(f"{s} B, round {r}/{k}", refresh=False)
+    times = timing.interleaved(calls, reps=reps, min_seconds=min_seconds, on_round=note)
     measured[:, j] = [statistics.median(t) for t in times]
-    bar.step()
+    bar.update()
   bar.close()
   if jax.process_count() > 1:   # every process prices with process 0's numbers
     from jax.experimental import multihost_utils
@@ -165,19 +212,20 @@ def calibrate(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DE
   shape = dict(mesh.shape)
   axis_sizes = tuple(shape[a] for a in axes)
   n = math.prod(axis_sizes)
-  fitted, native_rows = measured[:len(fit_algorithms)], iter(measured[len(fit_algorithms):])
+  topo = lambda group: topology.of_devices(mesh.devices, mesh.axis_names, group)
   rows = []
   for primitive, algo in fit_algorithms:
     options = {"axis_sizes": axis_sizes} if algo == "hierarchical" else {}
     sched = schedule(primitive, algo, n, **options)
-    rows += [cost.features(sched, axis_sizes, s, FRESH_THRESHOLD) for s in sizes]
-  coef = _fit(rows, fitted.reshape(-1))
-  links = {a: Link(alpha=float(coef[1 + 2 * i]), beta=float(coef[2 + 2 * i]))
-           for i, a in enumerate(axes)}
+    rows += [tuple(cost.features(sched, axis_sizes, s, FRESH_THRESHOLD, topo(axes)))
+             for s in sizes]
+  native_rows = iter(measured[len(fit_algorithms):])
   native = [NativeTimes(primitive, tuple(shape[a] for a in group), sizes,
-                        tuple(float(t) for t in next(native_rows)))
+                        tuple(float(t) for t in next(native_rows)), topo(group).span)
             for group in groups for primitive in primitives]
-  mu, nu, delta, fresh, gamma = map(float, coef[-5:])
-  return Profile(links=links, overhead=float(coef[0]), mu=mu, nu=nu, delta=delta, fresh=fresh,
-                 fresh_threshold=FRESH_THRESHOLD, gamma=gamma, native=tuple(native), name=name,
-                 basis=mesh.devices.flat[0].platform)
+  native += [NativeTimes(primitive, axis_sizes, sizes, tuple(map(float, times)),
+                         topo(axes).span, algo)
+             for (primitive, algo), times in zip(fit_algorithms, measured)
+             if algo != "hierarchical"]
+  return Measurements(tuple(rows), tuple(measured[:len(fit_algorithms)].reshape(-1).tolist()),
+                      tuple(native), topo(axes).used, mesh.devices.flat[0].platform)

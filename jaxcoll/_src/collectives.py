@@ -13,6 +13,9 @@ lax's, so they may leave shard_map with ``out_specs=P()``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,17 +60,29 @@ def _replicated(y, axes):
   return mark_invariant(y, axes) if check_vma_enabled(axes) else y
 
 
-def _resolve(primitive, algorithm, axes, nbytes, accumulate=None, dtype=None, wire=None):
-  scale = 1.0 if accumulate is None else np.dtype(accumulate).itemsize / np.dtype(dtype).itemsize
+_scopes: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_scopes", default=None)
+
+
+def _resolve(primitive, algorithm, axes, x, nbytes=None, accumulate=None, wire=None):
+  """The algorithm and schedule options for leaf ``x`` (M = ``nbytes``, default x's bytes);
+  the rest of the leaf's trace runs under ``jax.named_scope("jaxcoll.<primitive>.<algo>")``
+  (:func:`_map_leaves` holds the scope)."""
+  nbytes = x.nbytes if nbytes is None else nbytes
+  scale = 1.0 if accumulate is None else np.dtype(accumulate).itemsize / x.dtype.itemsize
   sizes = axes_lib.sizes(axes)
   compressed = wire is not None and np.prod(sizes) > 1
+  call = f"{x.dtype.name}[{','.join(map(str, x.shape))}]" + (f" wire {wire.name}" if compressed
+                                                               else "")
   algo, options = dispatch.resolve(
       primitive, algorithm, axis_names=axes, axis_sizes=sizes,
-      nbytes=nbytes * wire.ratio(dtype) if compressed else nbytes,
-      partial_sum_scale=scale, native_allowed=not compressed)
+      nbytes=nbytes * wire.ratio(x.dtype) if compressed else nbytes,
+      partial_sum_scale=scale, native_allowed=not compressed, call=call)
   if compressed and algo == NATIVE:
     raise ValueError(f"algorithm={NATIVE!r} (the jax.lax collective) cannot send "
                      f"wire_dtype={wire.name!r}; use a schedule, e.g. 'ring', or 'auto'")
+  scopes = _scopes.get()
+  if scopes is not None:
+    scopes.enter_context(jax.named_scope(f"jaxcoll.{primitive}.{algo}"))
   return algo, options
 
 
@@ -122,8 +137,17 @@ def _run(primitive, algorithm, n, flat, axes, *, op="sum", root=0, accumulate=No
 
 
 def _map_leaves(fn, x):
+  """``fn`` on every leaf of ``x``, each in a scope :func:`_resolve` may name."""
   leaves, tree = jax.tree.flatten(x)
-  return jax.tree.unflatten(tree, [fn(leaf) for leaf in leaves])
+  out = []
+  for leaf in leaves:
+    with contextlib.ExitStack() as scopes:
+      token = _scopes.set(scopes)
+      try:
+        out.append(fn(leaf))
+      finally:
+        _scopes.reset(token)
+  return jax.tree.unflatten(tree, out)
 
 
 def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
@@ -162,7 +186,7 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
     x = _prepare(x, op)
     acc = _check_accumulate(accumulate_dtype, x.dtype)
     fmt = _wire(wire_dtype, x.dtype, wire_block_size, acc)
-    algo, options = _resolve("all_reduce", algorithm, axes, x.nbytes, acc, x.dtype, fmt)
+    algo, options = _resolve("all_reduce", algorithm, axes, x, accumulate=acc, wire=fmt)
     if algo == NATIVE:
       if op == "prod":
         return _replicated(jnp.prod(lax.all_gather(x, axes), axis=0, dtype=x.dtype), axes)
@@ -200,7 +224,8 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
     extent = x.shape[d]
     _check_split(extent, n, tiled, f"scatter_dimension={scatter_dimension}: x.shape[{d}]")
     fmt = _wire(wire_dtype, x.dtype, wire_block_size, acc)
-    algo, options = _resolve("reduce_scatter", algorithm, axes, x.nbytes, acc, x.dtype, fmt)
+    algo, options = _resolve("reduce_scatter", algorithm, axes, x, accumulate=acc,
+                             wire=fmt)
     if algo == NATIVE:
       if op in ("sum", "mean"):
         y = lax.psum_scatter(x, axes, scatter_dimension=d, tiled=tiled)
@@ -250,8 +275,7 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: s
     else:
       a = _normalize_dim(axis, x.ndim + 1, "axis")
     fmt = _wire(wire_dtype, x.dtype, wire_block_size, None)
-    algo, options = _resolve("all_gather", algorithm, axes, x.nbytes * n, dtype=x.dtype,
-                             wire=fmt)
+    algo, options = _resolve("all_gather", algorithm, axes, x, x.nbytes * n, wire=fmt)
     if algo == NATIVE:
       return lax.all_gather(x, axes, axis=a, tiled=tiled,
                             to="invarying" if to != "varying" else "varying")
@@ -281,7 +305,7 @@ def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "auto"):
 
   def leaf(x):
     x = _prepare(x, None)
-    algo, options = _resolve("broadcast", algorithm, axes, x.nbytes)
+    algo, options = _resolve("broadcast", algorithm, axes, x)
     if algo == NATIVE:
       wide = x.astype(jnp.int32) if x.dtype == bool else x
       mine = jnp.where(lax.axis_index(axes) == root, wide, jnp.zeros_like(wide))
@@ -305,7 +329,7 @@ def reduce(x, axis_name, *, root: int = 0, op: str = "sum", algorithm: str = "au
 
   def leaf(x):
     x = _prepare(x, op)
-    algo, options = _resolve("reduce", algorithm, axes, x.nbytes)
+    algo, options = _resolve("reduce", algorithm, axes, x)
     if algo == NATIVE:
       y = make_varying(all_reduce(x, axis_name, op=op, algorithm=NATIVE), axes)
     else:
@@ -345,7 +369,7 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
     extent = x.shape[s]
     _check_split(extent, n, tiled, f"split_axis={split_axis}: x.shape[{s}]")
     fmt = _wire(wire_dtype, x.dtype, wire_block_size, None)
-    algo, options = _resolve("all_to_all", algorithm, axes, x.nbytes, dtype=x.dtype, wire=fmt)
+    algo, options = _resolve("all_to_all", algorithm, axes, x, wire=fmt)
     if algo == NATIVE:
       return lax.all_to_all(x, axes, s, c, tiled=tiled)
 
@@ -381,7 +405,7 @@ def shift(x, axis_name, offset: int = 1, *, wrap: bool = True, algorithm="auto")
 
   def leaf(x):
     x = make_varying(_prepare(x, None), axes)
-    algo, _ = _resolve("shift", algorithm, axes, x.nbytes)
+    algo, _ = _resolve("shift", algorithm, axes, x)
     sched = schedule("shift", "direct", n, **options)
     if algo == NATIVE:
       perm = sched.steps[0].transfers[0].perm if sched.steps else ()

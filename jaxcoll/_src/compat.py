@@ -11,6 +11,9 @@ that moves one fails there first, loudly, instead of somewhere deep in a collect
   a given address. jax offers no flag for the address (its own factory passes no host
   name), so this rebuilds the factory from ``jax._src.xla_bridge`` and
   ``jax._src.lib._jax.make_gloo_tcp_collectives``, the same on both versions.
+- ``distributed_client``: ``jax.distributed``'s client, whose key-value store
+  (``key_value_set``, ``blocking_key_value_get``) carries the host table of
+  :mod:`topology`; ``jax._src.distributed.global_state.client`` on both versions.
 
 ``replicated.py``'s primitive uses jax's extension API (``jax.extend.core.Primitive``,
 ``jax.interpreters.ad/batching/mlir``), the same on both versions and pinned by
@@ -68,6 +71,12 @@ def register_gloo_cpu_backend(hostname: str) -> None:
     return xla_bridge.make_cpu_client(collectives=collectives)
 
   xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+
+
+def distributed_client():
+  """``jax.distributed``'s client (None outside a multi-process job)."""
+  from jax._src import distributed
+  return distributed.global_state.client
 
 
 def open_jaxpr(sub) -> tuple[object, list]:

@@ -30,6 +30,8 @@ class Config:
   algorithm: tuple[tuple[str, object], ...] = ()
   profile: Profile | None = None
   fused_kernel: bool | str = "auto"
+  debug: bool | None = None
+  mesh: object = None
 
 
 _current = Config()
@@ -61,16 +63,25 @@ class config:  # noqa: N801 (used like a function: jaxcoll.config(...))
       backend cannot compile it, as on CPU: slow, for tests), False (plain
       jax.numpy, which XLA fuses), or "auto" (default: the kernel where the
       backend compiles it and a chunk is at least ``FUSED_MIN_BYTES``).
+    debug: log every choice auto makes (:mod:`jaxcoll._src.debug_log`); None defers to
+      ``JAXCOLL_DEBUG=INFO``.
+    mesh: the concrete ``jax.sharding.Mesh`` the program runs on, so that the cost model
+      reads where its devices are (:mod:`jaxcoll._src.topology`) rather than deriving it
+      from the standard, process-major, device order (a trace sees only the abstract mesh).
 
   ``jaxcoll.config(profile=p)`` sets it from now on; ``with jaxcoll.config(...):``
   restores the previous configuration on exit. Unnamed fields keep their value.
   """
 
   def __init__(self, *, algorithm: Mapping | None = None, profile: Profile | str | None = None,
-               fused_kernel: bool | str | None = None):
+               fused_kernel: bool | str | None = None, debug: bool | None = None, mesh=None):
     global _current
     if fused_kernel not in (None, True, False, "auto"):
       raise ValueError(f"config(fused_kernel={fused_kernel!r}): expected True, False or 'auto'")
+    if debug not in (None, True, False):
+      raise ValueError(f"config(debug={debug!r}): expected True or False")
+    if mesh is not None and not (hasattr(mesh, "devices") and hasattr(mesh, "axis_names")):
+      raise ValueError(f"config(mesh={mesh!r}): expected a jax.sharding.Mesh")
     if algorithm is not None:
       if not isinstance(algorithm, Mapping):
         raise ValueError(f"config(algorithm={algorithm!r}): expected a mapping "
@@ -86,7 +97,9 @@ class config:  # noqa: N801 (used like a function: jaxcoll.config(...))
     merged.update(algorithm or {})
     _current = Config(tuple(sorted(merged.items())),
                       profile if profile is not None else _current.profile,
-                      fused_kernel if fused_kernel is not None else _current.fused_kernel)
+                      fused_kernel if fused_kernel is not None else _current.fused_kernel,
+                      debug if debug is not None else _current.debug,
+                      mesh if mesh is not None else _current.mesh)
 
   def __enter__(self):
     return self

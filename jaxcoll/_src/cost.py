@@ -5,15 +5,19 @@ runs the collective-permutes of one program one after another on the CPU, and
 each is a collective launch everywhere). On mesh axes of sizes ``axis_sizes``,
 a message of M bytes, profile p:
 
-  T = p.overhead + sum over transfers t of [ max over axes a crossed by t of
-        (alpha_a + beta_a * B_t)  +  (mu + nu * B_t) * K_t / N  +  delta * W ]
+  T = p.overhead + sum over transfers t of [ max over the links l its messages use of
+        (alpha_l + beta_l * B_t)  +  (mu + nu * B_t) * K_t / N  +  delta * W ]
       + gamma * sum over steps s of (L_s + U_s)  +  fresh * F
 
 - B_t: the bytes each message of t carries (every rank sends at most one message
-  per transfer, so this is also the most any device sends in it). A message
-  crosses the outermost axis its two devices differ in (as in
-  :meth:`Schedule.traffic`); reduce transfers carry ``partial_sum_scale`` times
-  the bytes (float32 partial sums of bfloat16 data).
+  per transfer, so this is also the most any device sends in it); reduce
+  transfers carry ``partial_sum_scale`` times the bytes (float32 partial sums of
+  bfloat16 data).
+- l: the link a message uses, ``Profile.link(axis, class)``: a link the profile
+  names for the outermost axis its two devices differ in (as in
+  :meth:`Schedule.traffic`), else the link of its class (:mod:`topology`:
+  "process", "host" or "network", read from where the two devices are), else
+  the profile's "*" link.
 - K_t: the number of messages of t; mu * K_t / N is the per-message work that
   devices sharing CPUs (or one NIC) do one after another: a transfer in which
   every device sends costs mu more, one in which one device sends mu / N. On
@@ -61,8 +65,9 @@ import numpy as np
 
 from jaxcoll._src.algorithms import HIERARCHICAL, NATIVE, algorithms, schedule
 from jaxcoll._src.executor import LOOP_MIN_STEPS, plan
-from jaxcoll._src.profile import Profile
+from jaxcoll._src.profile import Link, Profile
 from jaxcoll._src.schedule import Schedule
+from jaxcoll._src.topology import CLASSES, Topology, single_process
 
 NATIVE_EQUIVALENT = {
     "all_reduce": ("ring", "double_binary_tree"),
@@ -77,12 +82,12 @@ NATIVE_EQUIVALENT = {
 
 @dataclasses.dataclass(frozen=True)
 class Loads:
-  """What the model reads off a schedule on one mesh shape, per transfer (``[T]``, ``[T, A]``)
-  and per step (``[S]``), in units of chunks."""
+  """What the model reads off a schedule on one mesh shape and topology, per transfer
+  (``[T]``, ``[T, A, C]``) and per step (``[S]``), in units of chunks."""
 
   chunks: np.ndarray      # [T] chunks per message
   reduce: np.ndarray      # [T] bool: a reduce transfer (carries partial sums)
-  crosses: np.ndarray     # [T, A] bool: some message of t crosses axis a
+  crosses: np.ndarray     # [T, A, C] bool: some message of t crosses axis a on a class-c link
   messages: np.ndarray    # [T] messages that cross any axis
   touched: np.ndarray     # [S] chunks the busiest device touches locally, + U_s
   unrolled: np.ndarray    # [S] bool: the executor unrolls the step (copies the buffer)
@@ -91,12 +96,13 @@ class Loads:
   @property
   def moving(self) -> np.ndarray:
     """[T] bool: the transfer moves data (a self-send crosses nothing, costs nothing)."""
-    return self.crosses.any(axis=1)
+    return self.crosses.any(axis=(1, 2))
 
   @property
-  def outermost(self) -> np.ndarray:
-    """[T]: the outermost axis each transfer crosses (where calibrate charges it)."""
-    return self.crosses.argmax(axis=1)
+  def slowest(self) -> np.ndarray:
+    """[T]: the slowest link class each transfer uses (where calibrate charges it)."""
+    used = self.crosses.any(axis=1)
+    return len(CLASSES) - 1 - used[:, ::-1].argmax(axis=1)
 
 
 def unrolled_steps(sched: Schedule) -> np.ndarray:
@@ -107,9 +113,11 @@ def unrolled_steps(sched: Schedule) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=1024)
-def loads(sched: Schedule, axis_sizes: tuple[int, ...]) -> Loads:
-  """The schedule's :class:`Loads` on a mesh of ``axis_sizes`` (outermost first)."""
+def loads(sched: Schedule, axis_sizes: tuple[int, ...], topo: Topology | None = None) -> Loads:
+  """The schedule's :class:`Loads` on a mesh of ``axis_sizes`` (outermost first) whose ranks
+  sit as ``topo`` says (default: one process)."""
   n = sched.axis_size
+  topo = topo or single_process(n)
   coords = np.stack(np.unravel_index(np.arange(n), axis_sizes), axis=1)
   chunks, reduce, crosses, messages = [], [], [], []
   touched = np.zeros(sched.num_steps)
@@ -122,7 +130,9 @@ def loads(sched: Schedule, axis_sizes: tuple[int, ...]) -> Loads:
       k = t.chunks_per_message
       chunks.append(k)
       reduce.append(t.combine == "reduce")
-      crosses.append(np.isin(np.arange(len(axis_sizes)), differ[moving].argmax(1)))
+      lane = np.zeros((len(axis_sizes), len(CLASSES)), bool)
+      lane[differ[moving].argmax(1), topo.classes(src[moving], dst[moving])] = True
+      crosses.append(lane)
       messages.append(int(moving.sum()))
       np.add.at(local, src[moving], k)
       np.add.at(local, dst[moving], 2 * k if t.combine == "reduce" else k)
@@ -130,7 +140,7 @@ def loads(sched: Schedule, axis_sizes: tuple[int, ...]) -> Loads:
   buffer_chunks = sched.num_chunks + sched.scratch_rows
   unrolled = unrolled_steps(sched)
   touched += unrolled * buffer_chunks
-  shape = (len(chunks), len(axis_sizes))
+  shape = (len(chunks), len(axis_sizes), len(CLASSES))
   return Loads(np.asarray(chunks, float), np.asarray(reduce, bool),
                np.asarray(crosses, bool).reshape(shape), np.asarray(messages, float), touched,
                unrolled, buffer_chunks)
@@ -144,15 +154,23 @@ def fresh_bytes(ld: Loads, sent: np.ndarray, buffer: float, threshold: float) ->
 
 
 def predict(sched: Schedule, profile: Profile, axis_names: Sequence[str],
-            axis_sizes: Sequence[int], nbytes: float, *, partial_sum_scale: float = 1.0) -> float:
-  """Predicted seconds of ``sched`` for an M = ``nbytes`` message (module docstring)."""
-  ld = loads(sched, tuple(axis_sizes))
+            axis_sizes: Sequence[int], nbytes: float, *, partial_sum_scale: float = 1.0,
+            topology: Topology | None = None) -> float:
+  """Predicted seconds of ``sched`` for an M = ``nbytes`` message (module docstring), its
+  ranks placed as ``topology`` says (default: one process), under ``profile``'s figures for
+  the span of its links (:meth:`Profile.for_span`)."""
+  ld = loads(sched, tuple(axis_sizes), topology)
+  if topology is not None:
+    profile = profile.for_span(topology.span)
   chunk = nbytes / sched.message_chunks
-  links = [profile.link(a) for a in axis_names]
-  alpha = np.array([link.alpha for link in links])
-  beta = np.array([link.beta for link in links])
+  used = ld.crosses.any(axis=0)                                                # [A, C]
+  links = [[profile.link(a, c) if used[i, j] else Link(0.0, 0.0)
+            for j, c in enumerate(CLASSES)] for i, a in enumerate(axis_names)]
+  alpha = np.array([[link.alpha for link in row] for row in links])          # [A, C]
+  beta = np.array([[link.beta for link in row] for row in links])
   sent = ld.chunks * np.where(ld.reduce, partial_sum_scale, 1.0) * chunk        # [T]
-  wire = np.where(ld.crosses, alpha + beta * sent[:, None], 0.0).max(axis=1, initial=0.0)
+  wire = np.where(ld.crosses, alpha + beta * sent[:, None, None], 0.0).max(axis=(1, 2),
+                                                                            initial=0.0)
   buffer = ld.buffer_chunks * chunk
   per_transfer = (wire + (profile.mu + profile.nu * sent) * ld.messages / sched.axis_size
                   + profile.delta * buffer * ld.moving)
@@ -162,20 +180,19 @@ def predict(sched: Schedule, profile: Profile, axis_names: Sequence[str],
 
 
 def features(sched: Schedule, axis_sizes: Sequence[int], nbytes: float,
-             fresh_threshold: float) -> np.ndarray:
+             fresh_threshold: float, topology: Topology | None = None) -> np.ndarray:
   """:func:`predict` as a linear function of the profile: the row ``f`` with
-  ``predict = f @ [overhead, (alpha_a, beta_a) per axis ..., mu, nu, delta, fresh, gamma]``,
-  each transfer charged to the outermost axis it crosses (the max over axes of ``predict``
-  wherever that axis is the slowest, as on meshes ordered slowest first)."""
-  ld = loads(sched, tuple(axis_sizes))
+  ``predict = f @ [overhead, (alpha_c, beta_c) per link class ..., mu, nu, delta, fresh,
+  gamma]`` for a profile whose links are per class (:data:`topology.CLASSES`), each transfer
+  charged to the slowest class it uses (the max over its links of ``predict``)."""
+  ld = loads(sched, tuple(axis_sizes), topology)
   chunk = nbytes / sched.message_chunks
-  k = len(axis_sizes)
-  row = np.zeros(2 * k + 6)
+  row = np.zeros(2 * len(CLASSES) + 6)
   row[0] = 1.0
   for t in np.flatnonzero(ld.moving):
-    a = ld.outermost[t]
-    row[1 + 2 * a] += 1.0
-    row[2 + 2 * a] += ld.chunks[t] * chunk
+    c = ld.slowest[t]
+    row[1 + 2 * c] += 1.0
+    row[2 + 2 * c] += ld.chunks[t] * chunk
   buffer = ld.buffer_chunks * chunk
   row[-5] = ld.messages.sum() / sched.axis_size
   row[-4] = (ld.messages * ld.chunks).sum() * chunk / sched.axis_size
@@ -186,14 +203,42 @@ def features(sched: Schedule, axis_sizes: Sequence[int], nbytes: float,
 
 
 def predict_native(primitive: str, profile: Profile, axis_names: Sequence[str],
-                   axis_sizes: Sequence[int], nbytes: float) -> float:
-  """Predicted seconds of the jax.lax collective (module docstring)."""
-  measured = profile.native_times(primitive, axis_sizes)
+                   axis_sizes: Sequence[int], nbytes: float, *,
+                   topology: Topology | None = None) -> float:
+  """Predicted seconds of the jax.lax collective (module docstring): its times measured on
+  links of the same span, else its NCCL equivalent priced on the links."""
+  topology = topology or single_process(math.prod(axis_sizes))
+  measured = profile.for_span(topology.span).native_times(primitive, axis_sizes,
+                                                          span=topology.span)
   if measured is not None:
     return measured.time(nbytes)
   n = math.prod(axis_sizes)
-  return min(predict(schedule(primitive, a, n), profile, axis_names, axis_sizes, nbytes)
+  return min(predict(schedule(primitive, a, n), profile, axis_names, axis_sizes, nbytes,
+                     topology=topology)
              for a in NATIVE_EQUIVALENT[primitive])
+
+
+def schedule_times(primitive: str, profile: Profile, axis_names: Sequence[str],
+                   axis_sizes: Sequence[int], nbytes: float, *, partial_sum_scale: float = 1.0,
+                   topology: Topology | None = None):
+  """(label, algorithm, options, schedule, seconds) for every schedule auto weighs: measured
+  beats modeled. A schedule the profile has times of (``calibrate`` times the ones it fits
+  to) is priced by them; every other by :func:`predict` times the most the model
+  underestimated a measured schedule of this primitive at this size (never less than 1), so
+  the model is never more optimistic than it proved to be where it was checked."""
+  topology = topology or single_process(math.prod(axis_sizes))
+  figures = profile.for_span(topology.span)
+  out, shortfall = [], 1.0
+  for label, algo, options, sched in candidate_schedules(primitive, axis_sizes):
+    model = predict(sched, profile, axis_names, axis_sizes, nbytes,
+                    partial_sum_scale=partial_sum_scale, topology=topology)
+    seen = figures.native_times(primitive, axis_sizes, span=topology.span, algorithm=label)
+    seconds = None if seen is None else seen.time(nbytes)
+    if seconds is not None and model > 0:
+      shortfall = max(shortfall, seconds / model)
+    out.append([label, algo, options, sched, model, seconds])
+  return [(label, algo, options, sched, model * shortfall if seconds is None else seconds)
+          for label, algo, options, sched, model, seconds in out]
 
 
 def stage_candidates(primitive: str, num_axes: int) -> list[tuple[str, ...]]:

@@ -23,10 +23,12 @@ from collections.abc import Sequence
 import jax
 
 from jaxcoll._src import config as config_lib
-from jaxcoll._src import cost
+from jaxcoll._src import cost, debug_log
+from jaxcoll._src import topology as topology_lib
 from jaxcoll._src.algorithms import HIERARCHICAL, NATIVE, check_algorithm
 from jaxcoll._src.algorithms.hierarchical import DEFAULT_STAGE
 from jaxcoll._src.profile import Profile
+from jaxcoll._src.topology import Topology
 
 NATIVE_MARGIN = 1.25
 DEFAULT_PRESET = {"cpu": "cpu", "gpu": "h100-nvlink", "cuda": "h100-nvlink", "rocm": "h100-nvlink",
@@ -80,13 +82,16 @@ def profile_in_use(profile: Profile | str | None = None) -> Profile:
 
 
 def candidates(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[int],
-               nbytes: float, profile: Profile, *, partial_sum_scale: float = 1.0):
-  """Every algorithm "auto" weighs, native first, with its predicted time."""
-  native = cost.predict_native(primitive, profile, axis_names, axis_sizes, nbytes)
+               nbytes: float, profile: Profile, *, partial_sum_scale: float = 1.0,
+               topology: Topology | None = None):
+  """Every algorithm "auto" weighs, native first, with its predicted time
+  (:func:`cost.schedule_times`; ranks placed as ``topology`` says; default one process)."""
+  native = cost.predict_native(primitive, profile, axis_names, axis_sizes, nbytes,
+                               topology=topology)
   out = [Candidate(NATIVE, NATIVE, (), native)]
-  for label, algo, options, sched in cost.candidate_schedules(primitive, axis_sizes):
-    t = cost.predict(sched, profile, axis_names, axis_sizes, nbytes,
-                     partial_sum_scale=partial_sum_scale)
+  for label, algo, options, sched, t in cost.schedule_times(
+      primitive, profile, axis_names, axis_sizes, nbytes,
+      partial_sum_scale=partial_sum_scale, topology=topology):
     out.append(Candidate(label, algo, tuple(sorted(options.items())), t, sched))
   return out
 
@@ -110,16 +115,17 @@ def trusted(profile: Profile) -> bool:
 
 
 def choose(primitive, axis_names, axis_sizes, nbytes, profile, *, partial_sum_scale=1.0,
-           native_allowed: bool = True):
+           native_allowed: bool = True, topology: Topology | None = None):
   """The candidate auto picks (:func:`pick` of every candidate)."""
   return pick(candidates(primitive, axis_names, axis_sizes, nbytes, profile,
-                         partial_sum_scale=partial_sum_scale), native_allowed=native_allowed,
-              trusted=trusted(profile))
+                         partial_sum_scale=partial_sum_scale, topology=topology),
+              native_allowed=native_allowed, trusted=trusted(profile))
 
 
 def auto_label(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[int],
                nbytes: float, profile: Profile, *, partial_sum_scale: float = 1.0,
-               weighed: Sequence[Candidate] | None = None, native_allowed: bool = True) -> str:
+               weighed: Sequence[Candidate] | None = None, native_allowed: bool = True,
+               topology: Topology | None = None) -> str:
   """What ``algorithm="auto"`` runs for this call (as :func:`resolve` decides), named as
   :func:`candidates` names it: an override, native on one device, else :func:`pick`.
   ``weighed``: the candidates, when already priced."""
@@ -133,17 +139,21 @@ def auto_label(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[i
   if math.prod(axis_sizes) <= 1:
     return NATIVE
   return pick(weighed or candidates(primitive, axis_names, axis_sizes, nbytes, profile,
-                                    partial_sum_scale=partial_sum_scale),
+                                    partial_sum_scale=partial_sum_scale, topology=topology),
               native_allowed=native_allowed, trusted=trusted(profile)).label
 
 
 def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],
             axis_sizes: tuple[int, ...], nbytes: int,
-            partial_sum_scale: float = 1.0, native_allowed: bool = True) -> tuple[str, dict]:
+            partial_sum_scale: float = 1.0, native_allowed: bool = True,
+            call: str = "") -> tuple[str, dict]:
   """The concrete algorithm to run for one call and its schedule options (auto picks among
-  the schedules only when not ``native_allowed``)."""
+  the schedules only when not ``native_allowed``); logs the choice (:mod:`debug_log`;
+  ``call`` describes the operand for it)."""
   if isinstance(algorithm, str) and algorithm == "auto":
     algorithm = config_lib.override(primitive) or "auto"
+    if algorithm != "auto":
+      debug_log.override(primitive, call, axis_names, str(algorithm))
   per_axis = pieces = None
   if isinstance(algorithm, Hierarchical):
     algorithm, per_axis, pieces = (HIERARCHICAL, tuple(algorithm.per_axis) or None,
@@ -154,9 +164,15 @@ def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],
   if algorithm == "auto":
     if math.prod(axis_sizes) <= 1:
       return NATIVE, {}
-    pick = choose(primitive, tuple(axis_names), tuple(axis_sizes), nbytes, profile_in_use(),
-                  partial_sum_scale=partial_sum_scale, native_allowed=native_allowed)
-    return pick.algorithm, dict(pick.options)
+    profile = profile_in_use()
+    topo = topology_lib.current(axis_names, axis_sizes, config_lib.current().mesh)
+    weighed = candidates(primitive, tuple(axis_names), tuple(axis_sizes), nbytes, profile,
+                         partial_sum_scale=partial_sum_scale, topology=topo)
+    chosen = pick(weighed, native_allowed=native_allowed, trusted=trusted(profile))
+    debug_log.choice(primitive, call, axis_names, axis_sizes, chosen, weighed, profile, topo,
+                     trusted=trusted(profile), native_allowed=native_allowed,
+                     margin=NATIVE_MARGIN)
+    return chosen.algorithm, dict(chosen.options)
   if algorithm == HIERARCHICAL:
     if len(axis_sizes) < 2:
       raise ValueError(f"algorithm='hierarchical' runs over a tuple of mesh axes "

@@ -6,10 +6,11 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+import jax
 import numpy as np
 
 from jaxcoll._src import config as config_lib
-from jaxcoll._src import dispatch
+from jaxcoll._src import dispatch, topology
 from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.algorithms import NATIVE
 from jaxcoll._src.profile import Profile
@@ -42,6 +43,7 @@ class Explanation:
   rows: tuple[ExplainRow, ...]
   wire_dtype: str | None = None
   trusted: bool = True
+  links: str = "process"
 
   @property
   def predicted_s(self) -> float:
@@ -55,7 +57,7 @@ class Explanation:
            f"min predicted time; native unless {dispatch.NATIVE_MARGIN:g}x slower")
     wire = f", wire {self.wire_dtype}" if self.wire_dtype else ""
     title = (f"{self.primitive} of {fmt_bytes(self.nbytes)}{wire} over {self.axis_names} "
-             f"({shape}), "
+             f"({shape}; links {self.links}), "
              f"profile {self.profile or 'custom'}: auto -> {self.chosen} ({why})")
     headers = ("algorithm", "steps", *(f"bytes over {a}" for a in self.axis_names),
                "predicted", "")
@@ -73,17 +75,53 @@ class Explanation:
     return self.table().__rich__()
 
 
+@dataclasses.dataclass(frozen=True)
+class Explanations:
+  """:func:`explain` of a pytree: one :class:`Explanation` per leaf, as the collective runs
+  them (one call per leaf), keyed by the leaf's path. Prints as one table."""
+
+  leaves: tuple[tuple[str, Explanation], ...]
+
+  @property
+  def predicted_s(self) -> float:
+    """Predicted seconds of every leaf's call, one after another."""
+    return sum(e.predicted_s for _, e in self.leaves)
+
+  @property
+  def chosen(self) -> dict:
+    """``{leaf path: what auto runs}``."""
+    return {path: e.chosen for path, e in self.leaves}
+
+  def table(self) -> Table:
+    first = self.leaves[0][1] if self.leaves else None
+    title = (f"{first.primitive} of {len(self.leaves)} leaves over {first.axis_names}: "
+             f"predicted {fmt_seconds(self.predicted_s)}" if first else "no leaves")
+    native = lambda e: next(r.predicted_s for r in e.rows if r.algorithm == NATIVE)
+    rows = [(path, fmt_bytes(e.nbytes), e.chosen, fmt_seconds(e.predicted_s),
+             fmt_seconds(native(e))) for path, e in self.leaves]
+    return Table.of(title, ("leaf", "M", "auto", "predicted", "native"), rows)
+
+  def __str__(self) -> str:
+    return str(self.table())
+
+  def __rich__(self):
+    return self.table().__rich__()
+
+
 def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = None, *,
-            accumulate_dtype=None, wire_dtype=None) -> Explanation:
+            accumulate_dtype=None, wire_dtype=None) -> Explanation | Explanations:
   """Prices every algorithm of ``primitive`` for ``x`` on ``mesh``'s ``axis_name``.
 
   Args:
     primitive: one of ``PRIMITIVES``.
     x: the per-device input as the collective sees it inside shard_map: an array
-      or anything with ``.shape`` and ``.dtype`` (``jax.ShapeDtypeStruct``).
+      or anything with ``.shape`` and ``.dtype`` (``jax.ShapeDtypeStruct``), or a pytree
+      of them (each leaf priced as the collective runs it: one call per leaf).
       For all_gather, M is the gathered output (N times x).
     mesh: a ``jax.sharding.Mesh`` (or abstract mesh) with the axes, or a mapping
-      ``{axis name: size}``.
+      ``{axis name: size}``. Links are priced by class (:mod:`jaxcoll._src.topology`) as
+      auto finds them at trace time: from the mesh given to ``jaxcoll.config(mesh=...)``,
+      else from this job's processes in the standard device order.
     axis_name: a mesh axis or a tuple of them.
     profile: the profile (or a preset's name) to price with (default: the one "auto"
       uses).
@@ -93,12 +131,20 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
       chosen.
 
   Returns:
-    An :class:`Explanation`; ``.chosen`` is what "auto" runs (including
+    An :class:`Explanation` for an array; ``.chosen`` is what "auto" runs (including
     ``jaxcoll.config`` / ``JAXCOLL_ALGORITHM`` overrides), ``.rows`` every
-    algorithm with its steps, bytes per axis and predicted seconds.
+    algorithm with its steps, bytes per axis and predicted seconds. For a pytree,
+    :class:`Explanations`: one per leaf.
   """
   if primitive not in PRIMITIVES:
     raise ValueError(f"primitive={primitive!r} is not a collective; expected one of {PRIMITIVES}")
+  if not _is_leaf(x):
+    leaves = jax.tree_util.tree_flatten_with_path(x, is_leaf=_is_leaf)[0]
+    return Explanations(tuple(
+        (jax.tree_util.keystr(path), explain(primitive, leaf, mesh, axis_name, profile,
+                                             accumulate_dtype=accumulate_dtype,
+                                             wire_dtype=wire_dtype))
+        for path, leaf in leaves))
   axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
   shape_of = mesh_shape(mesh)
   for a in axes:
@@ -112,10 +158,12 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
   fmt = wire_lib.wire_format(wire_dtype, dtype)
   priced = nbytes * (fmt.ratio(dtype) if fmt else 1.0)
   profile = dispatch.profile_in_use(profile)
+  topo = topology.of_mesh_shape(tuple(shape_of), tuple(shape_of.values()), axes,
+                                config_lib.current().mesh)
   candidates = dispatch.candidates(primitive, axes, sizes, priced, profile,
-                                   partial_sum_scale=scale)
+                                   partial_sum_scale=scale, topology=topo)
   chosen = dispatch.auto_label(primitive, axes, sizes, priced, profile, weighed=candidates,
-                               native_allowed=fmt is None)
+                               native_allowed=fmt is None, topology=topo)
   override = config_lib.override(primitive)
   rows = []
   for c in candidates:
@@ -126,7 +174,12 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
       steps, per_axis = c.schedule.num_steps, {a: t.bytes for a, t in zip(axes, traffic)}
     rows.append(ExplainRow(c.label, steps, per_axis, c.predicted_s, c.label == chosen))
   return Explanation(primitive, axes, sizes, nbytes, profile.name, chosen, override is not None,
-                     tuple(rows), fmt.name if fmt else None, dispatch.trusted(profile))
+                     tuple(rows), fmt.name if fmt else None, dispatch.trusted(profile),
+                     topo.label)
+
+
+def _is_leaf(x) -> bool:
+  return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def mesh_shape(mesh) -> dict:

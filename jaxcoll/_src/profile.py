@@ -1,10 +1,13 @@
 """Link profiles: what one step over each mesh axis costs, and what the lax collectives cost.
 
-A :class:`Link` prices one ppermute step over a mesh axis with the alpha-beta
-model: ``alpha + beta * bytes`` (bytes: the most any device sends over that
-axis in the step). A :class:`Profile` maps axis names to links (``"*"``: every
-axis not named), adds ``gamma`` (seconds per byte a device combines locally),
-``overhead`` (seconds per collective call, paid once), ``mu`` and ``nu``
+A :class:`Link` prices one ppermute step with the alpha-beta model:
+``alpha + beta * bytes`` (bytes: the most any device sends in the step). A
+:class:`Profile` maps link classes to links (``"process"``, ``"host"``,
+``"network"``: where the two devices are, :mod:`jaxcoll._src.topology`), and
+optionally mesh axis names to links (an explicit override for messages over that
+axis), ``"*"`` covering whatever is not named; it adds ``gamma`` (seconds per
+byte a device combines locally), ``overhead`` (seconds per collective call,
+paid once), ``mu`` and ``nu``
 (seconds of per-message and per-byte work a ppermute costs when every device
 sends; devices that share CPUs do it one after another), ``delta`` (seconds per
 buffer byte per ppermute), ``fresh`` (seconds per byte of buffers of at least
@@ -50,6 +53,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jaxcoll._src.topology import CLASSES
+
 ANY_AXIS = "*"
 GIVEN, DATASHEET = "given", "datasheet"
 FRESH_THRESHOLD = float(32 << 20)   # glibc's largest mmap threshold
@@ -75,14 +80,17 @@ class Link:
 
 @dataclasses.dataclass(frozen=True)
 class NativeTimes:
-  """Measured times of one jax.lax collective over axes of sizes ``axis_sizes``:
-  ``seconds[i]`` at ``sizes[i]`` bytes per device (M, as in
-  :meth:`Schedule.bytes_per_rank`)."""
+  """Measured times of one collective over axes of sizes ``axis_sizes``, the jax.lax one
+  (``algorithm="native"``) or a schedule: ``seconds[i]`` at ``sizes[i]`` bytes per device
+  (M, as in :meth:`Schedule.bytes_per_rank`), on a mesh whose slowest link is of class
+  ``span``."""
 
   primitive: str
   axis_sizes: tuple[int, ...]
   sizes: tuple[float, ...]
   seconds: tuple[float, ...]
+  span: str = ""   # the slowest link class the measured mesh spans ("": not recorded)
+  algorithm: str = "native"   # the lax collective, or the schedule that was timed
 
   def __post_init__(self):
     if len(self.sizes) != len(self.seconds) or not self.sizes:
@@ -117,7 +125,8 @@ class Profile:
   """Costs the dispatcher prices schedules with.
 
   Args:
-    links: ``{axis name: Link}``; ``"*"`` covers every axis not named.
+    links: ``{name: Link}``: a link class ("process", "host", "network"), a mesh axis name
+      (overrides the class for messages over that axis), or ``"*"`` (everything else).
     gamma: seconds per byte a device combines locally (reduce steps).
     overhead: seconds per collective call (launch), added to every schedule.
     delta: seconds per byte of the whole buffer per ppermute (what a transfer
@@ -134,6 +143,10 @@ class Profile:
     fresh_threshold: bytes; default 32 MiB (glibc's largest mmap threshold).
     native: measured :class:`NativeTimes` of the jax.lax collectives.
     name: a label (the preset's name).
+    spans: ``{class: Profile}``: the figures measured on meshes whose slowest link is of that
+      class ("host", "network"), for the collectives that span such links
+      (:meth:`for_span`). Every term may differ there, not only the links: on the CPU every
+      message of a multi-process job goes through gloo.
     basis: where the figures come from, which decides whether auto may trust them to
       replace the lax collective: ``"given"`` (written by the user: trusted),
       ``"datasheet"`` (the vendor-figure presets: never measured, so auto keeps native
@@ -152,33 +165,60 @@ class Profile:
   native: tuple[NativeTimes, ...] = ()
   name: str = ""
   basis: str = GIVEN
+  spans: Any = ()
 
   def __post_init__(self):
     object.__setattr__(self, "links", _frozen_links(self.links))
     object.__setattr__(self, "native", tuple(self.native))
+    spans = tuple(sorted((self.spans.items() if isinstance(self.spans, Mapping)
+                          else self.spans), key=lambda kv: CLASSES.index(kv[0])
+                         if kv[0] in CLASSES else -1))
+    for span, sub in spans:
+      if span not in CLASSES[1:] or not isinstance(sub, Profile):
+        raise ValueError(f"Profile spans: {span!r}: expected a jaxcoll.Profile under one of "
+                         f"{CLASSES[1:]}")
+    object.__setattr__(self, "spans", spans)
     for field in ("gamma", "overhead", "delta", "mu", "nu", "fresh", "fresh_threshold"):
       v = getattr(self, field)
       if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
         raise ValueError(f"Profile {field}={v!r} must be a finite number >= 0")
 
+  def for_span(self, span: str) -> Profile:
+    """The figures for a collective whose slowest link is of class ``span``: those measured
+    on the slowest span not slower than it (this profile's own are the fastest class's)."""
+    pick = self
+    for measured, sub in self.spans:
+      if CLASSES.index(measured) <= CLASSES.index(span):
+        pick = sub
+    return pick
+
   def trusted(self, backend: str) -> bool:
     """Whether auto may replace the lax collective on ``backend`` by these figures."""
     return self.basis in (GIVEN, backend)
 
-  def link(self, axis: str) -> Link:
-    """The link of mesh axis ``axis`` (or the ``"*"`` link)."""
+  def link(self, axis: str, link_class: str = CLASSES[0]) -> Link:
+    """The link of a message over mesh axis ``axis`` between devices linked by class
+    ``link_class``: the axis's own link if the profile names it, else the class's, else
+    the ``"*"`` link. (A key that is a class name always means the class: an axis named
+    "host" is priced by where its devices are.)"""
     found = dict(self.links)
-    if axis in found:
-      return found[axis]
-    if ANY_AXIS in found:
-      return found[ANY_AXIS]
-    raise ValueError(f"profile {self.name or ''!s} has no link for axis {axis!r} and no '*' "
-                     f"link; it has {sorted(found)}")
+    for key in ((axis,) if axis not in CLASSES else ()) + (link_class, ANY_AXIS):
+      if key in found:
+        return found[key]
+    raise ValueError(f"profile {self.name or ''!s} has no link for axis {axis!r}, class "
+                     f"{link_class!r} or '*'; it has {sorted(found)}")
 
-  def native_times(self, primitive: str, axis_sizes: Sequence[int]) -> NativeTimes | None:
-    """Measured times for these axis sizes, else for the same number of devices, else for
-    the nearest number of devices measured (None if the primitive was never measured)."""
-    mine = [t for t in self.native if t.primitive == primitive]
+  def native_times(self, primitive: str, axis_sizes: Sequence[int],
+                   span: str | None = None, algorithm: str = "native") -> NativeTimes | None:
+    """Measured times of ``algorithm`` (default: the lax collective) for these axis sizes,
+    else for the same number of devices, else (the lax collective only) for the nearest
+    number of devices measured; None if never measured. Only times on links of class
+    ``span`` (or unrecorded): times measured within one process do not price a collective
+    across processes."""
+    mine = [t for t in self.native if t.primitive == primitive and t.algorithm == algorithm
+            and (span is None or t.span in ("", span))]
+    if algorithm != "native":
+      mine = [t for t in mine if math.prod(t.axis_sizes) == math.prod(axis_sizes)]
     n = math.prod(axis_sizes)
     exact = [t for t in mine if t.axis_sizes == tuple(axis_sizes)]
     near = sorted(mine, key=lambda t: abs(math.log(math.prod(t.axis_sizes) / n)))
@@ -191,7 +231,8 @@ class Profile:
     return (f"{links}; overhead {self.overhead * 1e6:.0f} us, mu {self.mu * 1e6:.0f} us, "
             f"nu {self.nu * 1e9:.3f} ns/B, "
             f"gamma {self.gamma * 1e9:.3f} ns/B, delta {self.delta * 1e9:.3f} ns/B, "
-            f"fresh {self.fresh * 1e9:.3f} ns/B")
+            f"fresh {self.fresh * 1e9:.3f} ns/B"
+            + "".join(f"; across {span}: {sub.summary()}" for span, sub in self.spans))
 
   # -------------------------------------------------------------- presets and JSON
 
@@ -209,7 +250,8 @@ class Profile:
             "delta": self.delta, "mu": self.mu, "nu": self.nu, "fresh": self.fresh,
             "fresh_threshold": self.fresh_threshold,
             "links": {a: dataclasses.asdict(link) for a, link in self.links},
-            "native": [dataclasses.asdict(t) for t in self.native], "basis": self.basis}
+            "native": [dataclasses.asdict(t) for t in self.native], "basis": self.basis,
+            "spans": {span: sub.to_json() for span, sub in self.spans}}
 
   @classmethod
   def from_json(cls, data: dict) -> Profile:
@@ -219,8 +261,11 @@ class Profile:
                fresh=data.get("fresh", 0.0),
                fresh_threshold=data.get("fresh_threshold", FRESH_THRESHOLD),
                native=tuple(NativeTimes(t["primitive"], tuple(t["axis_sizes"]), tuple(t["sizes"]),
-                                        tuple(t["seconds"])) for t in data.get("native", ())),
-               name=data.get("name", ""), basis=data.get("basis", GIVEN))
+                                        tuple(t["seconds"]), t.get("span", ""),
+                                        t.get("algorithm", "native"))
+                            for t in data.get("native", ())),
+               name=data.get("name", ""), basis=data.get("basis", GIVEN),
+               spans={span: cls.from_json(sub) for span, sub in data.get("spans", {}).items()})
 
   def save(self, path) -> None:
     with open(path, "w") as f:

@@ -1,0 +1,168 @@
+"""Link classes from where devices are (jaxcoll._src.topology), and what the model does
+with them: every message priced by its class, lax times used only on the span measured."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jaxcoll
+from jaxcoll import Link, NativeTimes, Profile
+from jaxcoll._src import cost, dispatch, topology
+
+pytestmark = pytest.mark.quick
+
+SLOW, FAST = Link(alpha=1.0, beta=0.0), Link(alpha=0.001, beta=0.0)
+
+
+def classes(topo, pairs):
+  src, dst = np.array(pairs).T
+  return [topology.CLASSES[c] for c in topo.classes(src, dst)]
+
+
+def test_process_major_order_gives_each_pair_its_class():
+  two = topology.process_major(("x",), (8,), ("x",), 2, 8, hosts=(0, 0))
+  assert classes(two, [(0, 3), (0, 4), (7, 3), (5, 5)]) == ["process", "host", "host", "process"]
+  assert two.used == ("process", "host") and two.span == "host"
+  apart = topology.process_major(("x",), (8,), ("x",), 2, 8, hosts=None)   # no host table
+  assert classes(apart, [(0, 3), (0, 4)]) == ["process", "network"]
+  four = topology.process_major(("x",), (8,), ("x",), 4, 8, hosts=(0, 0, 1, 1))
+  assert classes(four, [(0, 1), (0, 2), (0, 4)]) == ["process", "host", "network"]
+  assert four.used == topology.CLASSES
+  assert topology.single_process(8).used == ("process",)
+
+
+def test_on_the_cpu_a_multi_process_job_sends_everything_through_gloo():
+  """Two devices of one process of a multi-process CPU job are linked as two processes."""
+  cpu = topology.process_major(("x",), (8,), ("x",), 2, 8, (0, 0), platform="cpu")
+  gpu = topology.process_major(("x",), (8,), ("x",), 2, 8, (0, 0), platform="gpu")
+  assert cpu.used == ("host",) and gpu.used == ("process", "host")
+  assert topology.gloo_everywhere("cpu", 2) and not topology.gloo_everywhere("cpu", 1)
+
+
+def test_a_collective_over_some_axes_takes_the_slowest_class_of_every_group():
+  """("node", "local") 2 x 4 on 2 processes of 4 devices: over "local" every group is inside a
+  process; over "node" every pair crosses; over ("local", "node") ranks are local-major."""
+  mesh = (("node", "local"), (2, 4))
+  local = topology.process_major(*mesh, ("local",), 2, 8, (0, 0))
+  node = topology.process_major(*mesh, ("node",), 2, 8, (0, 0))
+  swapped = topology.process_major(*mesh, ("local", "node"), 2, 8, (0, 0))
+  assert local.used == ("process",) and local.process.shape == (4, 2)
+  assert node.used == ("host",)
+  assert classes(swapped, [(0, 1), (0, 2)]) == ["host", "process"]
+  # a 4 x 2 mesh split the other way: every "b" pair of a group sits in one process
+  b = topology.process_major(("a", "b"), (4, 2), ("b",), 2, 8, (0, 0))
+  assert b.used == ("process",)
+
+
+def test_devices_of_a_concrete_mesh_are_read_directly():
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("node", "local"))
+  topo = topology.of_devices(mesh.devices, mesh.axis_names, ("node", "local"))
+  assert topo == topology.single_process(8) and topo.source == "mesh"
+
+
+def test_every_message_is_priced_by_its_class():
+  """On 2 processes a ring crosses the process boundary in every step; recursive doubling
+  only in its distance-4 step: with a slow host link the model sees exactly that."""
+  prof = Profile(links={"process": FAST, "host": SLOW})
+  two = topology.process_major(("x",), (8,), ("x",), 2, 8, (0, 0))
+  ring, rd = (jaxcoll.schedule("all_reduce", a, 8) for a in ("ring", "recursive_doubling"))
+  assert cost.predict(ring, prof, ("x",), (8,), 1e3, topology=two) == pytest.approx(14 * 1.0)
+  assert cost.predict(rd, prof, ("x",), (8,), 1e3, topology=two) == pytest.approx(1.0 + 0.002)
+  one = topology.single_process(8)
+  assert cost.predict(ring, prof, ("x",), (8,), 1e3, topology=one) == pytest.approx(0.014)
+  # an axis-name link overrides the class; "*" covers a class the profile lacks
+  named = Profile(links={"x": FAST, "process": SLOW})
+  assert cost.predict(ring, named, ("x",), (8,), 1e3, topology=two) == pytest.approx(0.014)
+  star = Profile(links={"process": FAST, "*": SLOW})
+  assert cost.predict(rd, star, ("x",), (8,), 1e3, topology=two) == pytest.approx(1.002)
+  # an axis named like a class is priced by its class
+  assert Profile(links={"process": FAST, "host": SLOW}).link("host", "process") == FAST
+
+
+def test_measured_schedules_are_priced_by_their_times_and_the_rest_no_better_than_proven():
+  """A schedule the profile timed is priced by its times; every other by the model times the
+  worst underestimate seen on a timed one of the primitive at that size (never below 1)."""
+  prof = Profile(links={"*": Link(1e-3, 0.0)})
+  ring = jaxcoll.schedule("all_reduce", "ring", 8)
+  model = {label: cost.predict(s, prof, ("x",), (8,), 4096.0)
+           for label, _, _, s in cost.candidate_schedules("all_reduce", (8,))}
+  slow = NativeTimes("all_reduce", (8,), (1024.0, 8192.0), (5 * model["ring"],) * 2,
+                     algorithm="ring")
+  timed = dataclasses.replace(prof, native=(slow,))
+  got = {label: t for label, *_, t in cost.schedule_times("all_reduce", timed, ("x",), (8,),
+                                                            4096.0)}
+  assert got["ring"] == pytest.approx(5 * model["ring"])
+  for label, t in got.items():
+    if label != "ring":
+      assert t == pytest.approx(5 * model[label]), label
+  fast = NativeTimes("all_reduce", (8,), (1024.0,), (model["ring"] / 3,), algorithm="ring")
+  got = {label: t for label, *_, t in cost.schedule_times(
+      "all_reduce", dataclasses.replace(prof, native=(fast,)), ("x",), (8,), 4096.0)}
+  assert got["ring"] == pytest.approx(model["ring"] / 3)
+  assert got["recursive_doubling"] == pytest.approx(model["recursive_doubling"])
+  # times of a schedule on another number of devices are not its times here
+  other = NativeTimes("all_reduce", (4,), (1024.0,), (1.0,), algorithm="ring")
+  assert dataclasses.replace(prof, native=(other,)).native_times(
+      "all_reduce", (8,), algorithm="ring") is None
+  assert cost.predict(ring, prof, ("x",), (8,), 4096.0) == model["ring"]
+
+
+def test_lax_times_price_only_the_span_they_were_measured_on():
+  inside = NativeTimes("all_reduce", (8,), (1e3,), (5.0,), span="process")
+  across = NativeTimes("all_reduce", (8,), (1e3,), (7.0,), span="host")
+  prof = Profile(links={"*": FAST}, native=(inside, across))
+  two = topology.process_major(("x",), (8,), ("x",), 2, 8, (0, 0))
+  assert cost.predict_native("all_reduce", prof, ("x",), (8,), 1e3) == 5.0
+  assert cost.predict_native("all_reduce", prof, ("x",), (8,), 1e3, topology=two) == 7.0
+  only_inside = Profile(links={"*": FAST}, native=(inside,))   # modeled as NCCL's instead
+  modeled = cost.predict_native("all_reduce", only_inside, ("x",), (8,), 1e3, topology=two)
+  assert modeled == pytest.approx(min(
+      cost.predict(jaxcoll.schedule("all_reduce", a, 8), only_inside, ("x",), (8,), 1e3,
+                   topology=two) for a in cost.NATIVE_EQUIVALENT["all_reduce"]))
+
+
+def test_the_cpu_preset_holds_figures_measured_in_one_process_and_across_two():
+  prof = Profile.preset("cpu")
+  across = prof.for_span("host")
+  assert set(dict(prof.links)) == {"process", "*"} and set(dict(across.links)) == {"host", "*"}
+  assert prof.for_span("process") is prof and prof.for_span("network") is across
+  assert {t.span for t in prof.native} == {"process"}
+  assert {t.span for t in across.native} == {"host"}
+  ring = jaxcoll.schedule("all_reduce", "ring", 8)
+  cpu = topology.process_major(("x",), (8,), ("x",), 2, 8, (0, 0), platform="cpu")
+  for nbytes in (1 << 10, 1 << 20):     # gloo costs more than a copy in one process
+    assert cost.predict(ring, prof, ("x",), (8,), nbytes, topology=cpu) > \
+        cost.predict(ring, prof, ("x",), (8,), nbytes)
+  timed = {(t.algorithm, t.span) for t in prof.native + across.native}
+  assert {("ring", "process"), ("binomial_tree", "host"), ("native", "host")} <= timed
+  assert prof.basis == "cpu" and Profile.from_json(prof.to_json()) == prof
+
+
+def test_a_profile_picks_the_figures_of_the_span_a_call_uses():
+  inside = Profile(links={"*": FAST}, name="inside")
+  across = Profile(links={"*": SLOW}, name="across")
+  prof = dataclasses.replace(inside, spans={"host": across})
+  assert [prof.for_span(c).name for c in topology.CLASSES] == ["inside", "across", "across"]
+  rd = jaxcoll.schedule("all_reduce", "recursive_doubling", 8)
+  gpu = topology.process_major(("x",), (8,), ("x",), 2, 8, (0, 0), platform="gpu")
+  assert cost.predict(rd, prof, ("x",), (8,), 1e3, topology=gpu) == pytest.approx(3.0)
+  assert cost.predict(rd, prof, ("x",), (8,), 1e3) == pytest.approx(0.003)
+  with pytest.raises(ValueError, match="Profile spans: 'process'"):
+    Profile(spans={"process": across})
+
+
+def test_auto_on_two_processes_prices_the_process_boundary():
+  """The cpu preset on a flat 8-device axis over 2 processes: a schedule at 16 KiB (the
+  measured lax time across processes is far above a tree's), native at 16 MiB."""
+  prof = Profile.preset("cpu")
+  two = topology.process_major(("x",), (8,), ("x",), 2, 8, (0, 0), platform="cpu")
+  small = dispatch.choose("all_reduce", ("x",), (8,), 16 << 10, prof, topology=two)
+  large = dispatch.choose("all_reduce", ("x",), (8,), 16 << 20, prof, topology=two)
+  assert small.algorithm != "native" and large.algorithm == "native"
+  # the same names and sizes in one process keep native at 16 KiB
+  assert dispatch.choose("all_reduce", ("x",), (8,), 16 << 10, prof).algorithm == "native"
