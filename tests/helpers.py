@@ -78,10 +78,11 @@ def mesh_perm(axes, perm, mesh_names, sizes):
   return [(to_mesh(s), to_mesh(d)) for s, d in perm]
 
 
-def call(primitive: str, x, axes, algorithm: str, root: int = 0):
-  """One jaxcoll collective with the arguments the shared tests use (tiled layouts)."""
+def call(primitive: str, x, axes, algorithm: str, root: int = 0, **extra):
+  """One jaxcoll collective with the arguments the shared tests use (tiled layouts);
+  ``extra`` keyword arguments go to it (``wire_dtype=``)."""
   import jaxcoll
-  kw = {"algorithm": algorithm}
+  kw = {"algorithm": algorithm, **extra}
   if primitive in ("reduce_scatter", "all_gather"):
     kw["tiled"] = True
   if primitive in ("broadcast", "reduce"):

@@ -154,3 +154,26 @@ def test_vmap_over_a_leading_batch_dimension(primitive, mesh_key):
                      mesh_key)
   want = np.asarray(jax.jit(lax_f)(x))
   chex.assert_trees_all_close(jax.jit(ours)(x), {a: want for a in algos}, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("mesh_key", MESHES)
+@pytest.mark.parametrize("primitive", PRIMITIVES)
+def test_remat_saves_the_input_alone(primitive, mesh_key):
+  """JAX's own shard_map_test.py::test_collectives_not_saved with every jaxcoll algorithm:
+  under jax.remat nothing but the input is saved (the executor's index tables are
+  recomputed, not kept as residuals)."""
+  from jax._src.ad_checkpoint import saved_residuals
+  _, _, axes = MESHES[mesh_key]
+  n = 5 if mesh_key == "x5" else 8
+  x = jnp.ones((n, input_length(primitive, n, 2)), jnp.float32)
+  wires = [None, "int8"] if primitive in ("all_reduce", "all_gather") else [None]
+  for algorithm in algorithms(primitive, axes):
+    for wire in wires:
+      extra = {} if wire is None else {"wire_dtype": wire}
+      fn = lambda v, a, algorithm=algorithm, extra=extra: call(primitive, v, a, algorithm,
+                                                               **extra)
+      f, _ = sharded(lambda v, a, fn=fn: fn(v, a) * fn(v, a), mesh_key)
+      saved = saved_residuals(jax.remat(f), x)
+      assert len(saved) == 1 and saved[0][1].startswith("from the argument"), \
+          (algorithm, wire, saved)

@@ -4,7 +4,8 @@ This is the only module that calls ``jax.lax.ppermute`` (through :func:`ppermute
 ``shift``'s native algorithm calls too). It
 runs inside ``shard_map`` on one rank's buffer of rows ``[C, L]`` (plus scratch rows that
 ranks which receive nothing in a transfer write to, so every rank runs the same
-code). Chunk indices come from NumPy tables indexed by ``lax.axis_index``.
+code). Chunk indices come from NumPy tables indexed by ``lax.axis_index`` and the step, each
+lookup in a jit of its own so that ``jax.remat`` recomputes it rather than saving the table.
 
 Per transfer of a step: read the rows to send (``dynamic_slice`` when each
 rank's rows are contiguous, a gather otherwise), one ``ppermute``, then
@@ -156,6 +157,13 @@ def _sent_rows_reduced_into(schedule: Schedule) -> list[list[bool]]:
   return out[::-1]
 
 
+def _lookup(table: np.ndarray, *index):
+  """``table[index]`` in a jit of its own, whose constant the table is: the caller's program
+  holds no table, so ``jax.remat`` recomputes the lookup instead of saving the table as a
+  residual (``tests/test_gradients.py``: a remat'd collective saves its input alone)."""
+  return jax.jit(lambda *i: jnp.asarray(table)[i])(*index)
+
+
 def _read(rows, index, plan_: _TransferPlan, contiguous: bool):
   if contiguous:
     return lax.dynamic_slice_in_dim(rows, index, plan_.rows, axis=0)
@@ -220,7 +228,7 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
     if len(p.perm) < schedule.axis_size:   # ranks outside the permutation keep their rows
       senders = np.zeros(schedule.axis_size, bool)
       senders[[s for s, _ in p.perm]] = True
-      kept = jnp.where(jnp.asarray(senders)[rank], kept, data)
+      kept = jnp.where(_lookup(senders, rank), kept, data)
     return _write(rows, index, kept.astype(rows.dtype), p.send_contiguous), message
 
   def receive(p: _TransferPlan, rows, index, message):
@@ -241,10 +249,10 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
   def run_step(phase: _Phase, rows, t):
     received = []
     for p, table in zip(phase.transfers, phase.send):
-      rows, message = send(p, rows, jnp.asarray(table)[t, rank])
+      rows, message = send(p, rows, _lookup(table, t, rank))
       received.append(ppermute(message, axes, p.perm))
     for p, table, message in zip(phase.transfers, phase.recv, received):
-      rows = receive(p, rows, jnp.asarray(table)[t, rank], message)
+      rows = receive(p, rows, _lookup(table, t, rank), message)
     return rows
 
   for phase in plan(schedule):
