@@ -24,6 +24,11 @@ that moves one fails there first, loudly, instead of somewhere deep in a collect
   0.12's CPU compiler does; 0.10.2's merges the two, so every layer's gathered parameters
   stay live from forward to backward (``jaxcoll.fsdp.layer``'s memory;
   ``tests/test_fsdp.py`` measures both).
+- ``BARRIERS_KEEP_UPDATES_IN_PLACE``: whether the executor's optimization barriers keep XLA
+  from copying the whole buffer between unrolled steps (:mod:`executor`). jaxlib 0.12's CPU
+  compiler keeps every update in place; 0.10.2's still copies the buffer where it did
+  without them (up to one copy a step; ``tests/test_executor.py`` holds each version to
+  its figure).
 
 Where the versions behave differently rather than name things differently, the module that
 depends on it says so and adapts in a form both accept: ``axes.ppermute_args`` (jax 0.12
@@ -47,6 +52,7 @@ def _version(text: str) -> tuple[int, ...]:
 
 JAX_VERSION = _version(jax.__version__)
 REMAT_COLLECTIVES_STAY_SEPARATE = JAX_VERSION >= (0, 12)
+BARRIERS_KEEP_UPDATES_IN_PLACE = JAX_VERSION >= (0, 12)
 
 
 def trace_state_clean() -> bool:

@@ -31,13 +31,14 @@ a message of M bytes, profile p:
   steps on the fast axis) is no faster than the ring.
 - L_s: the most bytes a device touches locally in step s (the chunks it copies
   out to send, writes back on receipt, and combines); U_s the whole buffer's
-  bytes when the executor unrolls step s (outside a ``fori_loop`` XLA copies
-  the buffer between steps; ``bench_collectives.py --hlo``), else 0.
+  bytes where XLA copies the buffer after step s: never on jax 0.12 (the
+  executor's barriers keep every update in place, ``tests/test_executor.py``),
+  after every unrolled step on 0.10.2 (``compat.BARRIERS_KEEP_UPDATES_IN_PLACE``).
 - W: the whole buffer; delta prices what a ppermute costs as the buffer grows
   (loop carries), fitted by :func:`jaxcoll.calibrate`.
 - F: the bytes of buffers of at least ``p.fresh_threshold`` bytes the schedule
-  makes anew: every received message that large, and the buffer copy of every
-  unrolled step when the buffer is. ``p.fresh`` prices their first touch: on
+  makes anew: every received message that large, and every buffer copy (U_s)
+  when the buffer is. ``p.fresh`` prices their first touch: on
   the CPU, glibc serves allocations above its mmap threshold (32 MiB at most)
   with fresh pages on every call, ~1.2 ns a byte of page faults measured here;
   0 where a pooling allocator reuses device memory.
@@ -63,6 +64,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxcoll._src import compat
 from jaxcoll._src.algorithms import HIERARCHICAL, NATIVE, algorithms, schedule
 from jaxcoll._src.executor import LOOP_MIN_STEPS, plan
 from jaxcoll._src.profile import Link, Profile
@@ -90,7 +92,7 @@ class Loads:
   crosses: np.ndarray     # [T, A, C] bool: some message of t crosses axis a on a class-c link
   messages: np.ndarray    # [T] messages that cross any axis
   touched: np.ndarray     # [S] chunks the busiest device touches locally, + U_s
-  unrolled: np.ndarray    # [S] bool: the executor unrolls the step (copies the buffer)
+  unrolled: np.ndarray    # [S] bool: XLA copies the buffer after the step (U_s)
   buffer_chunks: int      # W in chunks (buffer plus scratch rows)
 
   @property
@@ -106,10 +108,11 @@ class Loads:
 
 
 def unrolled_steps(sched: Schedule) -> np.ndarray:
-  """``[S]`` bools: the steps the executor runs outside a loop."""
-  flags = [phase.num_steps < LOOP_MIN_STEPS for phase in plan(sched)
-           for _ in range(phase.num_steps)]
-  return np.asarray(flags, bool)
+  """``[S]`` bools: the steps after which XLA copies the whole buffer (U_s): the steps the
+  executor runs outside a loop, where its barriers do not keep the update in place."""
+  flags = [phase.num_steps < LOOP_MIN_STEPS and not compat.BARRIERS_KEEP_UPDATES_IN_PLACE
+           for phase in plan(sched) for _ in range(phase.num_steps)]
+  return np.asarray(flags, bool).reshape(-1)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,0 +1,52 @@
+"""The executor's compiled code: no whole-buffer copy in any schedule (XLA's copies of the
+buffer between steps are what kept schedules far from their bytes' time)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxcoll
+from jaxcoll._src import compat, layout
+from jaxcoll._src.collectives import flat_call
+
+pytestmark = pytest.mark.quick
+
+ELEMENTS = 1 << 14   # per device: M = 64 KiB of float32
+MESHES = {"x": ((8,), ("x",)), "node,local": ((2, 4), ("node", "local"))}
+CASES = [(p, a, key) for key, (shape, _) in MESHES.items() for p in jaxcoll.PRIMITIVES
+         for a in jaxcoll.algorithms(p, num_axes=len(shape)) if a != "native"]
+
+
+def buffer_copies(primitive: str, algorithm: str, mesh_key: str) -> tuple[int, str]:
+  """Copies of the executor's whole buffer ([chunks + scratch rows, row length]) in the
+  compiled HLO of ``primitive`` on 8 devices, and that shape."""
+  shape, names = MESHES[mesh_key]
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names)
+  axes = names if len(names) > 1 else names[0]
+  options = {"axis_sizes": shape} if algorithm == "hierarchical" else {}
+  sched = jaxcoll.schedule(primitive, algorithm, 8, **options)
+  size = ELEMENTS // (8 if primitive == "all_gather" else 1)
+  rows = sched.num_chunks + sched.scratch_rows
+  buffer = f"f32[{rows},{layout.row_length(sched, size)}]"
+  f = jax.jit(jax.shard_map(lambda v: flat_call(primitive, v[0], axes, algorithm)[None],
+                            mesh=mesh, in_specs=P(names), out_specs=P(names)))
+  hlo = f.lower(jnp.ones((8, size), jnp.float32)).compile().as_text()
+  return len(re.findall(rf"= {re.escape(buffer)}\{{[^}}]*\}} copy\(", hlo)), buffer
+
+
+@pytest.mark.parametrize("primitive,algorithm,mesh_key", CASES)
+def test_no_schedule_copies_its_whole_buffer(primitive, algorithm, mesh_key):
+  """None on jax 0.12; on 0.10.2, whose XLA copies through the barriers, at most one a step
+  (compat.BARRIERS_KEEP_UPDATES_IN_PLACE)."""
+  copies, shape = buffer_copies(primitive, algorithm, mesh_key)
+  options = {"axis_sizes": MESHES[mesh_key][0]} if algorithm == "hierarchical" else {}
+  steps = jaxcoll.schedule(primitive, algorithm, 8, **options).num_steps
+  bound = 0 if compat.BARRIERS_KEEP_UPDATES_IN_PLACE else steps
+  assert copies <= bound, f"{copies} copies of the {shape} buffer in {steps} steps"
