@@ -7,7 +7,8 @@ runs the two halves and fits them together (``jaxcoll._src.calibrate.fit``):
   --part host: under ``jaxcoll.launch -n 2 --devices-per-process 4``, a ("node", "local")
     mesh of 2 x 4 over the two processes (links "process" and "host": gloo on loopback),
     the lax collectives over both axes, and over each alone;
-each at 1 KiB to 64 MiB per device, every size timed side by side (medians). The
+each at 1 KiB to 64 MiB per device, every size timed side by side (medians of at least 5
+rounds, more until a size has taken 4 s: gloo's latency is bimodal). The
 measurements are kept in benchmarks/out/calibrate-<part>.json; ``--fit`` refits them.
 No other host was measured: the preset's "*" link, which prices "network" links, is the
 "host" one.
@@ -31,7 +32,7 @@ def part_path(part: str) -> str:
   return os.path.join(OUT, f"calibrate-{part}.json")
 
 
-def measure(part: str, reps: int) -> None:
+def measure(part: str, reps: int, min_seconds: float) -> None:
   if part == "process":
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
@@ -45,7 +46,8 @@ def measure(part: str, reps: int) -> None:
   devices = np.array(jax.devices()[:8])
   mesh = (jax.sharding.Mesh(devices, ("x",)) if part == "process" else
           jax.sharding.Mesh(devices.reshape(2, 4), ("node", "local")))
-  measured = calibrate.measure(mesh, sizes=SIZES, reps=reps, progress=jax.process_index() == 0)
+  measured = calibrate.measure(mesh, sizes=SIZES, reps=reps, min_seconds=min_seconds,
+                               progress=jax.process_index() == 0)
   if jax.process_index() == 0:
     os.makedirs(OUT, exist_ok=True)
     with open(part_path(part), "w") as f:
@@ -70,12 +72,16 @@ def main() -> None:
   parser.add_argument("--fit", action="store_true", help="only refit the kept measurements")
   parser.add_argument("--out", default=PRESET)
   parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--min-seconds", type=float, default=4.0,
+                      help="more rounds per size until they take this long: gloo's latency is "
+                           "bimodal, so small sizes need many rounds for a steady median")
   args = parser.parse_args()
   if args.part:
-    measure(args.part, args.reps)
+    measure(args.part, args.reps, args.min_seconds)
     return
   if not args.fit:
-    me = [sys.executable, os.path.abspath(__file__), "--reps", str(args.reps), "--part"]
+    me = [sys.executable, os.path.abspath(__file__), "--reps", str(args.reps),
+          "--min-seconds", str(args.min_seconds), "--part"]
     subprocess.run(me + ["process"], check=True)
     subprocess.run([sys.executable, "-m", "jaxcoll.launch", "-n", "2", "--devices-per-process",
                     "4", "--timeout", "3600", "--"] + me + ["host"], check=True)
