@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src import compat, cost, timing, topology
-from jaxcoll._src.algorithms import schedule
+from jaxcoll._src.algorithms import HIERARCHICAL, schedule
 from jaxcoll._src.collectives import flat_call
 from jaxcoll._src.profile import ANY_AXIS, FRESH_THRESHOLD, Link, NativeTimes, Profile
 from jaxcoll._src.topology import CLASSES
@@ -177,7 +177,7 @@ def measure(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DEFA
   sharding = NamedSharding(mesh, spec)
   _input_for = lambda primitive, s: s // devices if primitive == "all_gather" else s
   groups = [axes] + ([(a,) for a in axes] if len(axes) > 1 else [])
-  fit_algorithms = FIT_ALGORITHMS + ((("all_reduce", "hierarchical"),) if len(axes) > 1 else ())
+  fit_algorithms = FIT_ALGORITHMS + ((("all_reduce", HIERARCHICAL),) if len(axes) > 1 else ())
 
   def program(body):
     return jax.jit(jax.shard_map(lambda v: body(v[0])[None], mesh=mesh, in_specs=spec,
@@ -212,20 +212,20 @@ def measure(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DEFA
   shape = dict(mesh.shape)
   axis_sizes = tuple(shape[a] for a in axes)
   n = math.prod(axis_sizes)
-  topo = lambda group: topology.of_devices(mesh.devices, mesh.axis_names, group)
+  topo = {g: topology.of_devices(mesh.devices, mesh.axis_names, g) for g in groups}
+  whole = topo[axes]
   rows = []
   for primitive, algo in fit_algorithms:
-    options = {"axis_sizes": axis_sizes} if algo == "hierarchical" else {}
+    options = {"axis_sizes": axis_sizes} if algo == HIERARCHICAL else {}
     sched = schedule(primitive, algo, n, **options)
-    rows += [tuple(cost.features(sched, axis_sizes, s, FRESH_THRESHOLD, topo(axes)))
-             for s in sizes]
+    rows += [tuple(cost.features(sched, axis_sizes, s, FRESH_THRESHOLD, whole)) for s in sizes]
   native_rows = iter(measured[len(fit_algorithms):])
   native = [NativeTimes(primitive, tuple(shape[a] for a in group), sizes,
-                        tuple(float(t) for t in next(native_rows)), topo(group).span)
+                        tuple(float(t) for t in next(native_rows)), topo[group].span)
             for group in groups for primitive in primitives]
-  native += [NativeTimes(primitive, axis_sizes, sizes, tuple(map(float, times)),
-                         topo(axes).span, algo)
+  native += [NativeTimes(primitive, axis_sizes, sizes, tuple(map(float, times)), whole.span,
+                         algo)
              for (primitive, algo), times in zip(fit_algorithms, measured)
-             if algo != "hierarchical"]
+             if algo != HIERARCHICAL]
   return Measurements(tuple(rows), tuple(measured[:len(fit_algorithms)].reshape(-1).tolist()),
-                      tuple(native), topo(axes).used, mesh.devices.flat[0].platform)
+                      tuple(native), whole.used, mesh.devices.flat[0].platform)

@@ -168,9 +168,10 @@ def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],
     topo = topology_lib.current(axis_names, axis_sizes, config_lib.current().mesh)
     weighed = candidates(primitive, tuple(axis_names), tuple(axis_sizes), nbytes, profile,
                          partial_sum_scale=partial_sum_scale, topology=topo)
-    chosen = pick(weighed, native_allowed=native_allowed, trusted=trusted(profile))
+    measured_here = trusted(profile)
+    chosen = pick(weighed, native_allowed=native_allowed, trusted=measured_here)
     debug_log.choice(primitive, call, axis_names, axis_sizes, chosen, weighed, profile, topo,
-                     trusted=trusted(profile), native_allowed=native_allowed,
+                     trusted=measured_here, native_allowed=native_allowed,
                      margin=NATIVE_MARGIN)
     return chosen.algorithm, dict(chosen.options)
   if algorithm == HIERARCHICAL:

@@ -12,7 +12,7 @@ rank's rows are contiguous, a gather otherwise), one ``ppermute``, then
 combine into the destination rows in place (``dynamic_update_slice`` of
 ``op(old, received)``, or of the received rows for a copy). No step
 concatenates or copies the buffer, and the compiled HLO of every schedule holds no copy of
-the whole buffer (``tests/test_schedules.py`` counts them), because of two
+the whole buffer (``tests/test_executor.py`` counts them), because of two
 ``lax.optimization_barrier`` s:
 
 - after every unrolled step. Without it XLA fuses the next step's send (a slice of the

@@ -109,17 +109,17 @@ def single_process(n: int) -> Topology:
   return Topology(zeros, zeros, MESH)
 
 
-def of_devices(devices: np.ndarray, mesh_names: Sequence[str], axes: Sequence[str],
-               source: str = MESH) -> Topology:
+def of_devices(devices: np.ndarray, mesh_names: Sequence[str], axes: Sequence[str]) -> Topology:
   """The topology of a collective over ``axes`` of a mesh whose devices are ``devices``
   (an array shaped as the mesh, axes ``mesh_names``)."""
   import jax
   devices = np.asarray(devices, object)
   process = np.vectorize(lambda d: d.process_index, otypes=[np.int64])(devices)
+  table = hosts(jax.process_count())
+  host = np.vectorize(lambda d: _host_of(d, table), otypes=[np.int64])(devices)
   if gloo_everywhere(devices.flat[0].platform, jax.process_count()):
     process = np.vectorize(lambda d: d.id, otypes=[np.int64])(devices)
-  return _group(process, np.vectorize(_host_of, otypes=[np.int64])(devices), mesh_names, axes,
-                source)
+  return _group(process, host, mesh_names, axes, MESH)
 
 
 def gloo_everywhere(platform: str, process_count: int) -> bool:
@@ -195,11 +195,9 @@ def hosts(process_count: int) -> tuple[int, ...] | None:
   return tuple(names.index(h) for h in _hosts)
 
 
-def _host_of(device) -> int:
-  """A device's host id: its TPU slice, else its process's host in the table, else its
-  process (a host of its own)."""
-  import jax
-  table = hosts(jax.process_count())
+def _host_of(device, table: tuple[int, ...] | None) -> int:
+  """A device's host id: its TPU slice, else its process's host in ``table`` (:func:`hosts`),
+  else its process (a host of its own)."""
   process = device.process_index
   host = table[process] if table is not None and process < len(table) else process
   return int(getattr(device, "slice_index", 0) or 0) * (1 << 20) + host
