@@ -5,7 +5,7 @@ with ``algorithm="auto"`` (or an override of it), one line on the ``"jaxcoll"`` 
 says what runs and why::
 
   [0] jaxcoll INFO all_reduce float32[1,4096] over x (8; links host, process-major):
-      binomial_tree, predicted 2.25 ms, native 8.07 ms (3.59x faster than native; a schedule
+      binomial_tree, predicted 2.13 ms, native 7.38 ms (3.47x faster than native; a schedule
       must be 1.25x faster), profile cpu
 
 Each distinct choice is logged once per process (a retrace that chooses the same thing
