@@ -25,7 +25,7 @@ CASES = [(p, a, key) for key, (shape, _) in MESHES.items() for p in jaxcoll.PRIM
 
 
 def buffer_copies(primitive: str, algorithm: str, mesh_key: str) -> tuple[int, str]:
-  """Copies of the executor's whole buffer ([chunks + scratch rows, row length]) in the
+  """Copies of the executor's whole buffer ([chunks, row length]) in the
   compiled HLO of ``primitive`` on 8 devices, and that shape."""
   shape, names = MESHES[mesh_key]
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names)
@@ -33,7 +33,7 @@ def buffer_copies(primitive: str, algorithm: str, mesh_key: str) -> tuple[int, s
   options = {"axis_sizes": shape} if algorithm == "hierarchical" else {}
   sched = jaxcoll.schedule(primitive, algorithm, 8, **options)
   size = ELEMENTS // (8 if primitive == "all_gather" else 1)
-  rows = sched.num_chunks + sched.scratch_rows
+  rows = sched.num_chunks
   buffer = f"f32[{rows},{layout.row_length(sched, size)}]"
   f = jax.jit(jax.shard_map(lambda v: flat_call(primitive, v[0], axes, algorithm)[None],
                             mesh=mesh, in_specs=P(names), out_specs=P(names)))

@@ -68,7 +68,7 @@ from jaxcoll._src import compat
 from jaxcoll._src.algorithms import HIERARCHICAL, NATIVE, algorithms, schedule
 from jaxcoll._src.executor import LOOP_MIN_STEPS, plan
 from jaxcoll._src.profile import Link, Profile
-from jaxcoll._src.schedule import Schedule
+from jaxcoll._src.schedule import Schedule, crossing_axis
 from jaxcoll._src.topology import CLASSES, Topology, single_process
 
 NATIVE_EQUIVALENT = {
@@ -93,7 +93,7 @@ class Loads:
   messages: np.ndarray    # [T] messages that cross any axis
   touched: np.ndarray     # [S] chunks the busiest device touches locally, + U_s
   unrolled: np.ndarray    # [S] bool: XLA copies the buffer after the step (U_s)
-  buffer_chunks: int      # W in chunks (buffer plus scratch rows)
+  buffer_chunks: int      # W in chunks
 
   @property
   def moving(self) -> np.ndarray:
@@ -109,43 +109,63 @@ class Loads:
 
 def unrolled_steps(sched: Schedule) -> np.ndarray:
   """``[S]`` bools: the steps after which XLA copies the whole buffer (U_s): the steps the
-  executor runs outside a loop, where its barriers do not keep the update in place."""
-  flags = [phase.num_steps < LOOP_MIN_STEPS and not compat.BARRIERS_KEEP_UPDATES_IN_PLACE
-           for phase in plan(sched) for _ in range(phase.num_steps)]
+  executor runs outside a loop, where its barriers do not keep the update in place (never
+  on jax 0.12, where the executor's plan is not even read)."""
+  if compat.BARRIERS_KEEP_UPDATES_IN_PLACE:
+    return np.zeros(sched.num_steps, bool)
+  flags = [phase.num_steps < LOOP_MIN_STEPS for phase in plan(sched)
+           for _ in range(phase.num_steps)]
   return np.asarray(flags, bool).reshape(-1)
 
 
 @functools.lru_cache(maxsize=1024)
 def loads(sched: Schedule, axis_sizes: tuple[int, ...], topo: Topology | None = None) -> Loads:
   """The schedule's :class:`Loads` on a mesh of ``axis_sizes`` (outermost first) whose ranks
-  sit as ``topo`` says (default: one process)."""
+  sit as ``topo`` says (default: one process).
+
+  Work grows with the distinct permutations and step structures, not with the steps: a
+  ring's thousands of steps share one permutation (:class:`Transfer` s share their rank
+  arrays), so rings of 16,384 ranks price in milliseconds once built."""
   n = sched.axis_size
   topo = topo or single_process(n)
   coords = np.stack(np.unravel_index(np.arange(n), axis_sizes), axis=1)
-  chunks, reduce, crosses, messages = [], [], [], []
-  touched = np.zeros(sched.num_steps)
-  for s, step in enumerate(sched.steps):
-    local = np.zeros(n)
-    for t in step.transfers:
-      src, dst = np.asarray(t.src), np.asarray(t.dst)
-      differ = coords[src] != coords[dst]
-      moving = differ.any(1)
-      k = t.chunks_per_message
-      chunks.append(k)
-      reduce.append(t.combine == "reduce")
-      lane = np.zeros((len(axis_sizes), len(CLASSES)), bool)
-      lane[differ[moving].argmax(1), topo.classes(src[moving], dst[moving])] = True
-      crosses.append(lane)
-      messages.append(int(moving.sum()))
-      np.add.at(local, src[moving], k)
-      np.add.at(local, dst[moving], 2 * k if t.combine == "reduce" else k)
-    touched[s] = local.max(initial=0)
-  buffer_chunks = sched.num_chunks + sched.scratch_rows
+  lanes: dict[tuple[int, int], tuple[np.ndarray, int, np.ndarray, np.ndarray]] = {}
+
+  def lane(t):   # (crosses [A, C], moving messages, moving src, moving dst) of a permutation
+    key = (id(t.src), id(t.dst))
+    if key not in lanes:
+      axis = crossing_axis(coords, t.src, t.dst)
+      moving = axis >= 0
+      src, dst = t.src[moving], t.dst[moving]
+      crossed = np.zeros((len(axis_sizes), len(CLASSES)), bool)
+      crossed[axis[moving], topo.classes(src, dst)] = True
+      lanes[key] = (crossed, int(moving.sum()), src, dst)
+    return lanes[key]
+
+  touched_of: dict[tuple, float] = {}
+
+  def touched(step) -> float:   # chunks the busiest device copies out, writes back, combines
+    key = tuple((id(t.src), id(t.dst), t.chunks_per_message, t.combine) for t in step.transfers)
+    if key not in touched_of:
+      local = np.zeros(n)
+      for t in step.transfers:
+        _, _, src, dst = lane(t)
+        k = t.chunks_per_message
+        local[src] += k
+        local[dst] += 2 * k if t.combine == "reduce" else k
+      touched_of[key] = local.max(initial=0)
+    return touched_of[key]
+
+  transfers = [t for step in sched.steps for t in step.transfers]
+  chunks = np.array([t.chunks_per_message for t in transfers], float)
+  reduce = np.array([t.combine == "reduce" for t in transfers], bool)
+  crosses = np.array([lane(t)[0] for t in transfers], bool).reshape(
+      len(transfers), len(axis_sizes), len(CLASSES))
+  messages = np.array([lane(t)[1] for t in transfers], float)
+  buffer_chunks = sched.num_chunks
   unrolled = unrolled_steps(sched)
-  touched += unrolled * buffer_chunks
-  shape = (len(chunks), len(axis_sizes), len(CLASSES))
-  return Loads(np.asarray(chunks, float), np.asarray(reduce, bool),
-               np.asarray(crosses, bool).reshape(shape), np.asarray(messages, float), touched,
+  steps_touched = np.array([touched(step) for step in sched.steps], float).reshape(-1)
+  return Loads(chunks, reduce, crosses, messages, steps_touched + unrolled * buffer_chunks,
                unrolled, buffer_chunks)
 
 

@@ -28,51 +28,150 @@ PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce
               "shift")
 
 
-class Message(NamedTuple):
-  """One point-to-point message of a step (a builder's unit, not stored)."""
+def _ranks(x) -> np.ndarray:
+  arr = np.asarray(x, np.int32)   # the same object for an int32 vector: shared ranks stay shared
+  return _frozen(arr if arr.ndim == 1 else arr.reshape(-1))
 
-  src: int
-  dst: int
-  send_chunks: tuple[int, ...]
-  recv_chunks: tuple[int, ...]
+
+def _chunks(x, messages: int) -> np.ndarray:
+  """[K, k] chunk rows from [K, k], [1, k] (one row for every message) or [K] (one each)."""
+  arr = np.asarray(x, np.int32)
+  arr = arr.reshape(-1, 1) if arr.ndim < 2 else arr
+  return _frozen(np.broadcast_to(arr, (messages, arr.shape[1])) if arr.shape[0] == 1 else arr)
+
+
+def _frozen(arr: np.ndarray) -> np.ndarray:
+  if arr.flags.writeable:
+    arr.setflags(write=False)
+  return arr
+
+
+def _distinct(ranks: np.ndarray) -> bool:
+  if len(ranks) < 2:
+    return True
+  if ranks.min() < 0:
+    ordered = np.sort(ranks)
+    return not (ordered[1:] == ordered[:-1]).any()
+  return np.bincount(ranks).max() <= 1
+
+
+class Messages(NamedTuple):
+  """Messages of one step that a builder makes together (its unit; not stored).
+
+  Message i goes from ``src[i]`` to ``dst[i]``; the sender reads its rows ``send[i]``, the
+  receiver combines them into its rows ``recv[i]``. Every message of a group carries the
+  same number of chunks; :meth:`of` takes sequences and broadcasts one row of chunks to
+  every message.
+  """
+
+  src: np.ndarray    # [K]
+  dst: np.ndarray    # [K]
+  send: np.ndarray   # [K, k]
+  recv: np.ndarray   # [K, k]
   combine: Combine
 
+  @classmethod
+  def of(cls, src, dst, send, recv=None, combine: Combine = "reduce") -> Messages:
+    """Messages from array-likes: ``send``/``recv`` of shape [K, k], [1, k] (one row for
+    every message) or [K] (one chunk each); ``recv`` defaults to ``send``."""
+    src, dst = _ranks(src), _ranks(dst)
+    send = _chunks(send, len(src))
+    return cls(src, dst, send, send if recv is None else _chunks(recv, len(src)), combine)
 
-@dataclasses.dataclass(frozen=True)
+  @staticmethod
+  def ragged(src: Sequence[int], dst: Sequence[int], send: Sequence[Sequence[int]],
+             recv: Sequence[Sequence[int]] | None = None,
+             combine: Combine = "reduce") -> list[Messages]:
+    """Messages whose chunk counts differ, one group per count (in order of first use)."""
+    recv = send if recv is None else recv
+    counts = np.fromiter(map(len, send), int, len(send))
+    src, dst = np.asarray(src), np.asarray(dst)
+    out = []
+    for count in dict.fromkeys(counts.tolist()):   # in order of first use
+      idx = np.flatnonzero(counts == count)
+      if count:
+        out.append(Messages(_ranks(src[idx]), _ranks(dst[idx]),
+                            _chunks(np.stack([send[i] for i in idx]), len(idx)),
+                            _chunks(np.stack([recv[i] for i in idx]), len(idx)), combine))
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Transfer:
   """Messages of one step that form a single ``ppermute``.
 
   Message ``i`` goes from ``src[i]`` to ``dst[i]``; the sender reads rows
   ``send_chunks[i]`` of its buffer, the receiver combines the message into its
   rows ``recv_chunks[i]``. Sources are distinct, destinations are distinct, and
-  every message carries ``chunks_per_message`` rows.
+  every message carries ``chunks_per_message`` rows. The fields are read-only NumPy
+  arrays (``[K]`` ranks, ``[K, k]`` chunks; sequences are converted), so schedules of
+  thousands of ranks stay arrays, not Python objects; transfers compare by identity.
   """
 
-  src: tuple[int, ...]
-  dst: tuple[int, ...]
-  send_chunks: tuple[tuple[int, ...], ...]
-  recv_chunks: tuple[tuple[int, ...], ...]
+  src: np.ndarray
+  dst: np.ndarray
+  send_chunks: np.ndarray
+  recv_chunks: np.ndarray
   combine: Combine
 
   def __post_init__(self):
-    n = len(self.src)
-    if not (n == len(self.dst) == len(self.send_chunks) == len(self.recv_chunks)) or n == 0:
+    n = np.size(self.src)
+    if not (n == np.size(self.dst) == len(self.send_chunks) == len(self.recv_chunks)) or n == 0:
       raise ValueError("Transfer needs one src, dst, send and recv entry per message")
-    if len(set(self.src)) != n or len(set(self.dst)) != n:
-      raise ValueError(f"Transfer sources and destinations must be distinct: {self.perm}")
-    if len({len(c) for c in self.send_chunks + self.recv_chunks}) != 1:
+    try:
+      send, recv = _chunks(self.send_chunks, n), _chunks(self.recv_chunks, n)
+    except ValueError:   # ragged
+      send = recv = None
+    if send is None or send.ndim != 2 or send.shape != recv.shape:
       raise ValueError("every message of a Transfer must carry the same number of chunks")
+    object.__setattr__(self, "src", _ranks(self.src))
+    object.__setattr__(self, "dst", _ranks(self.dst))
+    object.__setattr__(self, "send_chunks", send)
+    object.__setattr__(self, "recv_chunks", recv)
+    if not (_distinct(self.src) and _distinct(self.dst)):
+      raise ValueError(f"Transfer sources and destinations must be distinct: {self.perm}")
     if self.combine not in ("reduce", "copy"):
       raise ValueError(f"combine must be 'reduce' or 'copy', got {self.combine!r}")
 
   @property
   def perm(self) -> tuple[tuple[int, int], ...]:
     """The static ``(source, destination)`` pairs, as ``lax.ppermute`` takes them."""
-    return tuple(zip(self.src, self.dst))
+    return tuple(zip(self.src.tolist(), self.dst.tolist()))
 
   @property
   def chunks_per_message(self) -> int:
-    return len(self.send_chunks[0])
+    return self.send_chunks.shape[1]
+
+
+def _first_fit(src: np.ndarray, dst: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
+  """[K]: the transfer (layer) of each message: the first whose sources and destinations
+  do not hold the message's, a new one if none. ``sizes`` cuts the messages into groups; a
+  group with distinct sources and destinations is placed at once (its messages cannot block
+  each other, so this equals placing them one by one), any other one message at a time."""
+  if len(sizes) == 1 and _distinct(src) and _distinct(dst):
+    return np.zeros(len(src), np.int64)
+  n = int(max(src.max(), dst.max())) + 1
+  used_src, used_dst = np.zeros((0, n), bool), np.zeros((0, n), bool)
+  layer = np.empty(len(src), np.int64)
+  start = 0
+  for size in sizes:
+    part = slice(start, start + size)
+    start += size
+    s, d = src[part], dst[part]
+    if _distinct(s) and _distinct(d):
+      blocks = [(slice(None), s, d)]
+    else:
+      blocks = [(slice(i, i + 1), s[i:i + 1], d[i:i + 1]) for i in range(size)]
+    for where, s_, d_ in blocks:
+      fits = ~used_src[:, s_] & ~used_dst[:, d_]                 # [layers, messages]
+      first = np.where(fits.any(0), fits.argmax(0) if len(fits) else 0, len(used_src))
+      if (first == len(used_src)).any():
+        used_src = np.vstack([used_src, np.zeros((1, n), bool)])
+        used_dst = np.vstack([used_dst, np.zeros((1, n), bool)])
+      used_src[first, s_] = True
+      used_dst[first, d_] = True
+      layer[part][where] = first
+  return layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,31 +181,42 @@ class Step:
   transfers: tuple[Transfer, ...]
 
   @staticmethod
-  def of(messages: Sequence[Message]) -> Step:
-    """Packs messages into as few ppermutes as their shapes allow.
+  def of(groups: Sequence[Messages]) -> Step:
+    """Packs a step's messages into as few ppermutes as their shapes allow.
 
-    Messages with the same chunk count and combine share a transfer as long
-    as no rank sends or receives twice in it.
+    Messages with the same chunk count and combine share a transfer as long as no rank
+    sends or receives twice in it; each message joins the first transfer it fits (in
+    order), and transfers are ordered by their first message.
     """
-    groups: list[tuple[list[Message], set[int], set[int]]] = []
-    for m in messages:
-      if len(m.send_chunks) != len(m.recv_chunks) or not m.send_chunks:
-        raise ValueError(f"message {m} must send as many chunks as it receives (>= 1)")
-      for g, srcs, dsts in groups:
-        if (len(g[0].send_chunks) == len(m.send_chunks) and g[0].combine == m.combine
-            and m.src not in srcs and m.dst not in dsts):
-          break
-      else:
-        g, srcs, dsts = [], set(), set()
-        groups.append((g, srcs, dsts))
-      g.append(m)
-      srcs.add(m.src)
-      dsts.add(m.dst)
-    transfers = []
-    for g, _, _ in groups:
-      src, dst, send, recv, combine = zip(*g)
-      transfers.append(Transfer(src, dst, send, recv, combine[0]))
-    return Step(tuple(transfers))
+    keyed: dict[tuple[int, str], list[tuple[Messages, np.ndarray]]] = {}
+    seen = 0
+    for g in (g for g in groups if len(g.src)):
+      if g.send.shape != g.recv.shape or g.send.shape[1] < 1:
+        raise ValueError(f"messages {g} must send as many chunks as they receive (>= 1)")
+      keyed.setdefault((g.send.shape[1], g.combine), []).append(
+          (g, np.arange(seen, seen + len(g.src))))
+      seen += len(g.src)
+    made = []
+    for (_, combine), gs in keyed.items():
+      src, dst, send, recv, order = (np.concatenate(f) if len(gs) > 1 else f[0]
+                                     for f in zip(*((*g[:4], at) for g, at in gs)))
+      layer = _first_fit(src, dst, [len(g.src) for g, _ in gs])
+      made += [(order[idx[0]], Transfer(src[idx], dst[idx], send[idx], recv[idx], combine))
+               for idx in (np.flatnonzero(layer == j) for j in range(layer.max() + 1))]
+    return Step(tuple(t for _, t in sorted(made, key=lambda m: m[0])))
+
+
+def _per_rank(ranks: np.ndarray, n: int, weight: float) -> np.ndarray:
+  """[N]: ``weight`` for every rank in ``ranks`` (distinct), 0 elsewhere."""
+  return np.bincount(ranks, minlength=n) * weight
+
+
+def crossing_axis(coords: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+  """[K]: for each message, the outermost mesh axis in which its two ranks' coordinates
+  (``coords``: [N, A]) differ, -1 for a message to itself. The one rule that charges a
+  message to an axis (:meth:`Schedule.traffic`, the cost model)."""
+  differ = coords[src] != coords[dst]
+  return np.where(differ.any(1), differ.argmax(1), -1)
 
 
 class AxisTraffic(NamedTuple):
@@ -179,9 +289,10 @@ class Schedule:
       raise ValueError("only all_to_all schedules have workspace_chunks")
     for step in self.steps:
       for t in step.transfers:
-        if not all(0 <= r < n for r in t.src + t.dst):
+        if min(t.src.min(), t.dst.min()) < 0 or max(t.src.max(), t.dst.max()) >= n:
           raise ValueError(f"rank out of range [0, {n}) in {t.perm}")
-        if not all(0 <= x < c for cs in t.send_chunks + t.recv_chunks for x in cs):
+        if (min(t.send_chunks.min(), t.recv_chunks.min()) < 0
+            or max(t.send_chunks.max(), t.recv_chunks.max()) >= c):
           raise ValueError(f"chunk out of range [0, {c}) in step {step}")
 
   @property
@@ -209,7 +320,8 @@ class Schedule:
     sent = np.zeros((2, self.axis_size), np.int64)
     for step in self.steps:
       for t in step.transfers:
-        np.add.at(sent[0 if t.combine == "reduce" else 1], list(t.src), t.chunks_per_message)
+        sent[0 if t.combine == "reduce" else 1] += _per_rank(t.src, self.axis_size,
+                                                              t.chunks_per_message)
     return sent
 
   def bytes_per_rank(self, nbytes: float, *, partial_sum_scale: float = 1.0) -> float:
@@ -247,28 +359,16 @@ class Schedule:
     for step in self.steps:
       crossed = np.zeros(len(shape), bool)
       for t in step.transfers:
-        src, dst = np.asarray(t.src), np.asarray(t.dst)
-        differ = coords[src] != coords[dst]
-        axis = np.where(differ.any(1), differ.argmax(1), -1)
+        axis = crossing_axis(coords, t.src, t.dst)
         weight = t.chunks_per_message * (partial_sum_scale if t.combine == "reduce" else 1.0)
         for a in range(len(shape)):
           on = axis == a
           crossed[a] |= on.any()
-          np.add.at(sent[a], src[on], weight)
+          sent[a] += _per_rank(t.src[on], self.axis_size, weight)
       steps += crossed
     scale = nbytes / self.message_chunks
     return tuple(AxisTraffic(int(s), float(b.max(initial=0)) * scale)
                  for s, b in zip(steps, sent))
-
-  @functools.cached_property
-  def scratch_rows(self) -> int:
-    """Rows of scratch the executor needs for ranks that receive nothing in a transfer."""
-    rows = 0
-    for step in self.steps:
-      for t in step.transfers:
-        if len(t.dst) < self.axis_size:
-          rows = max(rows, t.chunks_per_message)
-    return rows
 
   def in_pieces(self, pieces: int, steps: Collection[int] | None = None) -> Schedule:
     """The same collective with every step cut into ``pieces`` steps of 1/pieces the bytes.
@@ -287,21 +387,22 @@ class Schedule:
     if pieces == 1:
       return self
     cut = set(range(len(self.steps)) if steps is None else steps)
-    expand = lambda chunks, js: tuple(c * pieces + j for c in chunks for j in js)  # noqa: E731
-    whole = range(pieces)
+    expand = lambda chunks, js: (chunks[:, :, None] * pieces + js).reshape(len(chunks), -1)  # noqa: E731
+    whole = np.arange(pieces)
     steps_out = tuple(
-        Step(tuple(dataclasses.replace(t, send_chunks=tuple(expand(c, js) for c in t.send_chunks),
-                                       recv_chunks=tuple(expand(c, js) for c in t.recv_chunks))
+        Step(tuple(dataclasses.replace(t, send_chunks=expand(t.send_chunks, js),
+                                       recv_chunks=expand(t.recv_chunks, js))
                    for t in step.transfers))
         for i, step in enumerate(self.steps)
-        for js in ([(j,) for j in whole] if i in cut else [whole]))
+        for js in (whole[:, None] if i in cut else [whole]))
     return dataclasses.replace(self, num_chunks=self.num_chunks * pieces, steps=steps_out,
                                workspace_chunks=self.workspace_chunks * pieces)
 
   def relabel(self, root: int) -> Schedule:
     """The same schedule with rank v played by rank (v + root) mod N."""
     n = self.axis_size
-    shift = lambda ranks: tuple((r + root) % n for r in ranks)  # noqa: E731
+    moved: dict[int, np.ndarray] = {}   # one array per array shared by several transfers
+    shift = lambda ranks: moved.setdefault(id(ranks), (ranks + root) % n)  # noqa: E731
     steps = tuple(
         Step(tuple(dataclasses.replace(t, src=shift(t.src), dst=shift(t.dst)) for t in s.transfers))
         for s in self.steps)
@@ -338,9 +439,9 @@ class Schedule:
     buf = np.stack([layout.to_rows(np, f, self, rank=r) for r, f in enumerate(flat)])
     combine = functools.partial(ops.combine_numpy, op)
     for step in self.steps:
-      sent = [buf[np.asarray(t.src)[:, None], np.asarray(t.send_chunks)] for t in step.transfers]
+      sent = [buf[t.src[:, None], t.send_chunks] for t in step.transfers]
       for t, data in zip(step.transfers, sent):
-        dst, rows = np.asarray(t.dst)[:, None], np.asarray(t.recv_chunks)
+        dst, rows = t.dst[:, None], t.recv_chunks
         buf[dst, rows] = combine(buf[dst, rows], data) if t.combine == "reduce" else data
     out = [layout.from_rows(np, buf[r], self, size, rank=r) for r in range(n)]
     if self.primitive == "reduce":

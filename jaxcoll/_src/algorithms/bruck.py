@@ -17,31 +17,33 @@ pairwise exchange, more bytes (the small-message all-to-all).
 
 from __future__ import annotations
 
+import numpy as np
+
 from jaxcoll._src.algorithms import register
 from jaxcoll._src.algorithms.common import build, log2_ceil
-from jaxcoll._src.schedule import Message
+from jaxcoll._src.schedule import Messages
 
 
 @register("all_gather", "bruck")
 def all_gather(n: int):
+  r = np.arange(n)
   rounds, dist = [], 1
   while dist < n:
-    count = min(dist, n - dist)
-    rounds.append([Message(r, (r - dist) % n, blocks, blocks, "copy")
-                   for r in range(n) for blocks in [tuple((r + j) % n for j in range(count))]])
+    blocks = (r[:, None] + np.arange(min(dist, n - dist))) % n
+    rounds.append([Messages.of(r, (r - dist) % n, blocks, combine="copy")])
     dist <<= 1
   return build("all_gather", "bruck", n, n, rounds)
 
 
 @register("all_to_all", "bruck")
 def all_to_all(n: int):
+  r = np.arange(n)
   rounds = []
   for k in range(log2_ceil(n)):
     dist = 1 << k
-    moving = [i for i in range(1, n) if i & dist]
-    def lands(dst, i, k=k):  # output row of the block's origin on its last hop, else in flight
-      return n + (dst - i) % n if i >> (k + 1) == 0 else (dst + i) % n
-    rounds.append([Message(r, (r + dist) % n, tuple((r + i) % n for i in moving),
-                           tuple(lands((r + dist) % n, i) for i in moving), "copy")
-                   for r in range(n)])
+    moving = np.array([i for i in range(1, n) if i & dist])
+    dst = (r + dist) % n
+    last = moving >> (k + 1) == 0   # the block's last hop: into the output row of its origin
+    lands = np.where(last, n + (dst[:, None] - moving) % n, (dst[:, None] + moving) % n)
+    rounds.append([Messages.of(r, dst, (r[:, None] + moving) % n, lands, "copy")])
   return build("all_to_all", "bruck", n, 2 * n, rounds)

@@ -1,26 +1,30 @@
-"""Small pieces the algorithm families share: rounds of messages and the fold."""
+"""Small pieces the algorithm families share: rounds of messages and the fold.
+
+Builders work on NumPy arrays of ranks and chunks (:class:`Messages`), never on one Python
+object per message, so every schedule builds at thousands of ranks in seconds.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numpy as np
 
-from jaxcoll._src.schedule import Message, Schedule, Step
+from jaxcoll._src.schedule import Messages, Schedule, Step
 
-Rounds = list[list[Message]]
+Rounds = list[list[Messages]]   # one list of message groups per step
 
 
 def build(primitive: str, algorithm: str, n: int, num_chunks: int, *rounds: Rounds,
           **fields) -> Schedule:
   """A schedule from consecutive lists of rounds (empty rounds dropped); ``fields`` are
   further :class:`Schedule` fields (``axis_sizes``, ``workspace_chunks``)."""
-  steps = tuple(Step.of(r) for part in rounds for r in part if r)
+  steps = tuple(Step.of(r) for part in rounds for r in part if any(len(g.src) for g in r))
   return Schedule(primitive, algorithm, n, num_chunks, steps, **fields)
 
 
 def merge(*parts: Rounds) -> Rounds:
   """Runs several round lists side by side: round i of each in one step."""
   depth = max((len(p) for p in parts), default=0)
-  return [[m for p in parts if i < len(p) for m in p[i]] for i in range(depth)]
+  return [[g for p in parts if i < len(p) for g in p[i]] for i in range(depth)]
 
 
 def log2_floor(n: int) -> int:
@@ -29,6 +33,12 @@ def log2_floor(n: int) -> int:
 
 def log2_ceil(n: int) -> int:
   return (n - 1).bit_length()
+
+
+def block_rows(mask: np.ndarray) -> list[np.ndarray]:
+  """The chunk indices set in each row of a boolean ``[K, C]`` mask."""
+  rows, cols = np.nonzero(mask)
+  return np.split(cols, np.cumsum(np.bincount(rows, minlength=len(mask)))[:-1])
 
 
 class Fold:
@@ -43,20 +53,28 @@ class Fold:
     self.n = n
     self.p = 1 << log2_floor(n)
     self.extra = n - self.p
-    self.excluded = tuple(range(0, 2 * self.extra, 2))
-    self.active = tuple(r for r in range(n) if r >= 2 * self.extra or r % 2)
-    self.virtual = {r: v for v, r in enumerate(self.active)}
+    self.excluded = np.arange(0, 2 * self.extra, 2)
+    ranks = np.arange(n)
+    self.active = ranks[(ranks >= 2 * self.extra) | (ranks % 2 == 1)]
+    self.virtual = np.full(n, -1)
+    self.virtual[self.active] = np.arange(self.p)
 
-  def owner(self, r: int) -> int:
-    """The active rank that stands for rank r."""
-    return r + 1 if r in self.excluded else r
+  def owner(self, r: np.ndarray) -> np.ndarray:
+    """The active rank that stands for rank(s) r."""
+    return np.where((r < 2 * self.extra) & (r % 2 == 0), r + 1, r)
 
-  def pre(self, chunks_of: Sequence[Sequence[int]] | None = None, combine="reduce") -> Rounds:
-    """Excluded ranks send their data (all chunks, or ``chunks_of[r]``) to their partner."""
-    msgs = [Message(r, r + 1, tuple(chunks_of[r]), tuple(chunks_of[r]), combine)
-            for r in self.excluded]
-    return [msgs]
+  def partners(self, mask: int) -> tuple[np.ndarray, np.ndarray]:
+    """(src, dst) of the exchange between virtual ranks v and v ^ mask, in order of v."""
+    v = np.arange(self.p)
+    return self.active, self.active[v ^ mask]
 
-  def post(self, chunks: Sequence[int]) -> Rounds:
-    """Partners send the finished ``chunks`` back to the excluded ranks."""
-    return [[Message(r + 1, r, tuple(chunks), tuple(chunks), "copy") for r in self.excluded]]
+  def pre(self, chunks, combine="reduce") -> Rounds:
+    """Excluded ranks send their data to their partner: ``chunks`` is one row for every rank
+    ([1, k]) or a row per rank ([N, k] / [N])."""
+    chunks = np.asarray(chunks)
+    mine = chunks if chunks.ndim == 2 and len(chunks) == 1 else chunks[self.excluded]
+    return [[Messages.of(self.excluded, self.excluded + 1, mine, combine=combine)]]
+
+  def post(self, chunks) -> Rounds:
+    """Partners send the finished ``chunks`` (one row, [1, k]) back to the excluded ranks."""
+    return [[Messages.of(self.excluded + 1, self.excluded, chunks, combine="copy")]]

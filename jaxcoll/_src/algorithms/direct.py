@@ -14,34 +14,43 @@ wrap, else only when that rank exists): 1 step, M bytes.
 
 from __future__ import annotations
 
+import numpy as np
+
 from jaxcoll._src.algorithms import register
 from jaxcoll._src.algorithms.common import build
-from jaxcoll._src.schedule import Message
+from jaxcoll._src.schedule import Messages
+
+
+def _pairwise(n: int, send, recv, combine):
+  """Round s = 1..N-1: rank r sends ``send(r, s)`` to r + s, stored at ``recv(r, s)``."""
+  r = np.arange(n, dtype=np.int32)
+  return [[Messages.of(r, (r + s) % n, send(r, s), recv(r, s), combine)] for s in range(1, n)]
 
 
 @register("reduce_scatter", "direct")
 def reduce_scatter(n: int):
-  rounds = [[Message(r, (r + s) % n, ((r + s) % n,), ((r + s) % n,), "reduce") for r in range(n)]
-            for s in range(1, n)]
-  return build("reduce_scatter", "direct", n, n, rounds)
+  to = lambda r, s: (r + s) % n  # noqa: E731
+  return build("reduce_scatter", "direct", n, n, _pairwise(n, to, to, "reduce"))
 
 
 @register("all_gather", "direct")
 def all_gather(n: int):
-  rounds = [[Message(r, (r + s) % n, (r,), (r,), "copy") for r in range(n)] for s in range(1, n)]
-  return build("all_gather", "direct", n, n, rounds)
+  own = lambda r, s: r  # noqa: E731
+  return build("all_gather", "direct", n, n, _pairwise(n, own, own, "copy"))
 
 
 @register("all_to_all", "direct")
 def all_to_all(n: int):
-  rounds = [[Message(r, (r + s) % n, ((r + s) % n,), (n + r,), "copy") for r in range(n)]
-            for s in range(1, n)]
-  return build("all_to_all", "direct", n, 2 * n, rounds)
+  return build("all_to_all", "direct", n, 2 * n,
+               _pairwise(n, lambda r, s: (r + s) % n, lambda r, s: n + r, "copy"))
 
 
 @register("shift", "direct")
 def shift(n: int, *, offset: int = 1, wrap: bool = True):
   """Rank r's input (row 0) goes to row 1 of rank r + offset."""
-  dst = {r: (r + offset) % n if wrap else r + offset for r in range(n)}
-  return build("shift", "direct", n, 2,
-               [[Message(r, d, (0,), (1,), "copy") for r, d in dst.items() if 0 <= d < n]])
+  src = np.arange(n)
+  dst = src + offset
+  if wrap:
+    dst %= n
+  keep = (dst >= 0) & (dst < n)
+  return build("shift", "direct", n, 2, [[Messages.of(src[keep], dst[keep], [[0]], [[1]], "copy")]])

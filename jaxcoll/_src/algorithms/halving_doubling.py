@@ -15,48 +15,49 @@ outer one, the big halves stay on the fast links.
 
 from __future__ import annotations
 
+import numpy as np
+
 from jaxcoll._src.algorithms import register
-from jaxcoll._src.algorithms.common import Fold, Rounds, build
-from jaxcoll._src.schedule import Message
+from jaxcoll._src.algorithms.common import Fold, Rounds, block_rows, build
+from jaxcoll._src.schedule import Messages
 
 
-def _halving_rounds(fold: Fold) -> tuple[Rounds, Rounds, list[tuple[int, int]]]:
-  """Contiguous halving over P chunks, and the mirrored doubling.
+def _span(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+  """[P, hi - lo] chunk rows of equal-length intervals [lo, hi)."""
+  return lo[:, None] + np.arange(int(hi[0] - lo[0]))
 
-  Returns (reduce-scatter rounds, all-gather rounds, final interval of each
-  virtual rank).
-  """
-  intervals = [(0, fold.p)] * fold.p
+
+def _halving_rounds(fold: Fold) -> tuple[Rounds, Rounds]:
+  """Contiguous halving over P chunks, and the mirrored doubling: (reduce-scatter rounds,
+  all-gather rounds)."""
+  v = np.arange(fold.p)
+  lo, hi = np.zeros(fold.p, np.int64), np.full(fold.p, fold.p)
   rs: Rounds = []
-  history = []
+  masks = []
   mask = 1
   while mask < fold.p:
-    msgs, nxt = [], []
-    for v, (lo, hi) in enumerate(intervals):
-      mid = (lo + hi) // 2
-      keep, give = ((lo, mid), (mid, hi)) if not v & mask else ((mid, hi), (lo, mid))
-      msgs.append(Message(fold.active[v], fold.active[v ^ mask], tuple(range(*give)),
-                          tuple(range(*give)), "reduce"))
-      nxt.append(keep)
-    rs.append(msgs)
-    history.append(mask)
-    intervals = nxt
+    mid = (lo + hi) // 2
+    upper = (v & mask) != 0           # keeps the upper half, gives the lower
+    give_lo, give_hi = np.where(upper, lo, mid), np.where(upper, mid, hi)
+    src, dst = fold.partners(mask)
+    rs.append([Messages.of(src, dst, _span(give_lo, give_hi), combine="reduce")])
+    lo, hi = np.where(upper, mid, lo), np.where(upper, hi, mid)
+    masks.append(mask)
     mask <<= 1
   ag: Rounds = []
-  for mask in reversed(history):
-    ag.append([Message(fold.active[v], fold.active[v ^ mask], tuple(range(*intervals[v])),
-                       tuple(range(*intervals[v])), "copy") for v in range(fold.p)])
-    intervals = [(min(a[0], b[0]), max(a[1], b[1]))
-                 for a, b in ((intervals[v], intervals[v ^ mask]) for v in range(fold.p))]
-  return rs, ag, intervals
+  for mask in reversed(masks):
+    src, dst = fold.partners(mask)
+    ag.append([Messages.of(src, dst, _span(lo, hi), combine="copy")])
+    lo, hi = np.minimum(lo, lo[v ^ mask]), np.maximum(hi, hi[v ^ mask])
+  return rs, ag
 
 
 @register("all_reduce", "halving_doubling")
 def all_reduce(n: int):
   fold = Fold(n)
-  everything = tuple(range(fold.p))
-  rs, ag, _ = _halving_rounds(fold)
-  pre = fold.pre([everything] * n) if fold.extra else []
+  everything = np.arange(fold.p)[None]
+  rs, ag = _halving_rounds(fold)
+  pre = fold.pre(everything) if fold.extra else []
   post = fold.post(everything) if fold.extra else []
   return build("all_reduce", "halving_doubling", n, fold.p, pre, rs, ag, post)
 
@@ -65,19 +66,19 @@ def all_reduce(n: int):
 def reduce_scatter(n: int):
   """Halving over the N blocks, each block routed towards the virtual rank that keeps it."""
   fold = Fold(n)
-  dest = [fold.virtual[fold.owner(b)] for b in range(n)]
-  held = [tuple(range(n))] * fold.p
+  v = np.arange(fold.p)
+  dest = fold.virtual[fold.owner(np.arange(n))]              # [N] virtual rank of block b
+  held = np.ones((fold.p, n), bool)                          # [P, N] blocks v still reduces
   rounds: Rounds = []
   mask = 1
   while mask < fold.p:
-    msgs, nxt = [], []
-    for v, blocks in enumerate(held):
-      give = tuple(b for b in blocks if (dest[b] & mask) != (v & mask))
-      msgs.append(Message(fold.active[v], fold.active[v ^ mask], give, give, "reduce"))
-      nxt.append(tuple(b for b in blocks if (dest[b] & mask) == (v & mask)))
-    rounds.append(msgs)
-    held = nxt
+    give = held & ((dest[None] & mask) != (v[:, None] & mask))
+    src, dst = fold.partners(mask)
+    rows = block_rows(give)
+    rounds.append(Messages.ragged(src, dst, rows, combine="reduce"))
+    held &= ~give
     mask <<= 1
-  pre = fold.pre([tuple(range(n))] * n) if fold.extra else []
-  post = [[Message(r + 1, r, (r,), (r,), "copy") for r in fold.excluded]] if fold.extra else []
+  pre = fold.pre(np.arange(n)[None]) if fold.extra else []
+  post = ([[Messages.of(fold.excluded + 1, fold.excluded, fold.excluded, combine="copy")]]
+          if fold.extra else [])
   return build("reduce_scatter", "halving_doubling", n, n, pre, rounds, post)

@@ -41,7 +41,7 @@ import numpy as np
 
 from jaxcoll._src.algorithms import register, schedule
 from jaxcoll._src.algorithms.common import Rounds, build
-from jaxcoll._src.schedule import Message, Schedule
+from jaxcoll._src.schedule import Messages, Schedule
 
 NAME = "hierarchical"
 DEFAULT_STAGE = {"all_to_all": "direct"}
@@ -59,39 +59,45 @@ def stage_schedule(primitive: str, name: str | None, size: int, pieces: int = 1)
   return schedule(primitive, name, size).in_pieces(pieces)
 
 
-def groups(shape: Sequence[int], axis: int) -> list[tuple[int, ...]]:
-  """The groups of ranks that differ only in coordinate ``axis``, each in coordinate order."""
+def groups(shape: Sequence[int], axis: int) -> np.ndarray:
+  """[G, s]: the groups of ranks that differ only in coordinate ``axis``, in coordinate order."""
   ranks = np.arange(math.prod(shape)).reshape(shape)
-  return [tuple(map(int, g)) for g in np.moveaxis(ranks, axis, -1).reshape(-1, shape[axis])]
+  return np.moveaxis(ranks, axis, -1).reshape(-1, shape[axis])
 
 
-def split(chunks: tuple[int, ...], parts: int) -> list[tuple[int, ...]]:
-  if len(chunks) % parts:
-    raise AssertionError(f"{len(chunks)} chunks do not split into {parts}")
-  step = len(chunks) // parts
-  return [chunks[i * step:(i + 1) * step] for i in range(parts)]
+def embed(sub: Schedule, rank_groups: np.ndarray, pieces: np.ndarray) -> Rounds:
+  """Runs ``sub`` on every group at once: sub-rank k of a group is global rank
+  ``rank_groups[g, k]``, and sub-chunk c of global rank r is global chunks ``pieces[r, c]``
+  (``[N, C_sub, w]``). One round per step."""
+  pieces = np.asarray(pieces)
+  copies = len(rank_groups)
+  global_ranks: dict[int, np.ndarray] = {}   # shared sub-rank arrays stay shared (the cost model)
 
+  def ranks(sub_ranks):
+    if id(sub_ranks) not in global_ranks:
+      global_ranks[id(sub_ranks)] = rank_groups[:, sub_ranks].reshape(-1).astype(np.int32)
+    return global_ranks[id(sub_ranks)]
 
-def embed(sub: Schedule, rank_groups: Sequence[Sequence[int]],
-          pieces: Sequence[Sequence[tuple[int, ...]]]) -> Rounds:
-  """Runs ``sub`` on every group at once: sub-rank k of a group is global rank group[k],
-  and sub-chunk c of global rank r is global chunks ``pieces[r][c]``. One round per step."""
   rounds = []
   for step in sub.steps:
     msgs = []
     for t in step.transfers:
-      for g in rank_groups:
-        for s, d, send, recv in zip(t.src, t.dst, t.send_chunks, t.recv_chunks):
-          src, dst = g[s], g[d]
-          msgs.append(Message(src, dst, sum((pieces[src][c] for c in send), ()),
-                              sum((pieces[dst][c] for c in recv), ()), t.combine))
+      src, dst = ranks(t.src), ranks(t.dst)
+      send = pieces[src[:, None], np.tile(t.send_chunks, (copies, 1))]
+      recv = pieces[dst[:, None], np.tile(t.recv_chunks, (copies, 1))]
+      msgs.append(Messages.of(src, dst, send.reshape(len(src), -1), recv.reshape(len(dst), -1),
+                              t.combine))
     rounds.append(msgs)
   return rounds
 
 
-def _blocked_pieces(sub: Schedule, sub_blocks: Sequence[tuple[int, ...]]):
-  """Sub-chunks of a blocked sub-schedule: sub-block j's b chunks are sub_blocks[j] split b ways."""
-  return [p for blk in sub_blocks for p in split(blk, sub.blocks_per_rank)]
+def _blocked_pieces(sub: Schedule, sub_blocks: np.ndarray) -> np.ndarray:
+  """[N, C_sub, w]: sub-chunks of a blocked sub-schedule from each rank's sub-blocks
+  ([N, s, h]): sub-block j's b chunks are its h chunks split b ways."""
+  n, s, h = sub_blocks.shape
+  if h % sub.blocks_per_rank:
+    raise AssertionError(f"{h} chunks do not split into {sub.blocks_per_rank}")
+  return sub_blocks.reshape(n, s * sub.blocks_per_rank, -1)
 
 
 def _check_shape(n: int, axis_sizes, per_axis, stage_pieces=None
@@ -122,14 +128,14 @@ def all_reduce(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> 
   for t in range(1, k):
     chunks = math.lcm(rs[t].num_chunks, ag[t].num_chunks, shape[t] * chunks)
   coords = np.stack(np.unravel_index(np.arange(n), shape), axis=1)
-  held = [tuple(range(chunks))] * n
+  held = np.broadcast_to(np.arange(chunks), (n, chunks))   # [N, h]: the chunks rank r reduces
   down, up = [], []
   for t in range(k - 1, 0, -1):
-    parts = [split(h, shape[t]) for h in held]
-    down += embed(rs[t], groups(shape, t), [_blocked_pieces(rs[t], p) for p in parts])
-    up = embed(ag[t], groups(shape, t), [_blocked_pieces(ag[t], p) for p in parts]) + up
-    held = [p[coords[r, t]] for r, p in enumerate(parts)]
-  middle = embed(top, groups(shape, 0), [split(h, top.num_chunks) for h in held])
+    parts = held.reshape(n, shape[t], -1)                  # sub-block j of rank r
+    down += embed(rs[t], groups(shape, t), _blocked_pieces(rs[t], parts))
+    up = embed(ag[t], groups(shape, t), _blocked_pieces(ag[t], parts)) + up
+    held = parts[np.arange(n), coords[:, t]]
+  middle = embed(top, groups(shape, 0), held.reshape(n, top.num_chunks, -1))
   return build("all_reduce", NAME, n, chunks, down, middle, up, axis_sizes=shape)
 
 
@@ -146,18 +152,19 @@ def _blocked(primitive: str, n: int, axis_sizes, per_axis, stage_pieces,
   shape, names, pieces = _check_shape(n, axis_sizes, per_axis, stage_pieces)
   stages = {t: stage_schedule(primitive, names[t], shape[t], pieces[t]) for t in order}
   g = math.lcm(*(s.blocks_per_rank for s in stages.values()))
+  k = len(shape)
   coords = np.stack(np.unravel_index(np.arange(n), shape), axis=1)
+  ranks = np.arange(n).reshape(shape)
   rounds, done = [], []
   for t in order:
-    pieces = []
-    for r in range(n):
-      fixed = done if primitive == "reduce_scatter" else [u for u in range(len(shape))
-                                                          if u not in done and u != t]
-      mine = np.all(coords[:, fixed] == coords[r, fixed], axis=1)
-      sub_blocks = [tuple(c for q in np.flatnonzero(mine & (coords[:, t] == j))
-                          for c in range(q * g, (q + 1) * g)) for j in range(shape[t])]
-      pieces.append(_blocked_pieces(stages[t], sub_blocks))
-    rounds += embed(stages[t], groups(shape, t), pieces)
+    fixed = done if primitive == "reduce_scatter" else [u for u in range(k)
+                                                        if u not in done and u != t]
+    free = [u for u in range(k) if u not in fixed and u != t]
+    by_rank = np.transpose(ranks, fixed + [t] + free)       # [*fixed, s_t, *free]
+    blocks = (by_rank[tuple(coords[:, fixed].T)] if fixed   # [N, s_t, *free]: blocks q
+              else np.broadcast_to(by_rank, (n,) + by_rank.shape))
+    sub_blocks = (blocks.reshape(n, shape[t], -1, 1) * g + np.arange(g)).reshape(n, shape[t], -1)
+    rounds += embed(stages[t], groups(shape, t), _blocked_pieces(stages[t], sub_blocks))
     done.append(t)
   return build(primitive, NAME, n, n * g, rounds, axis_sizes=shape)
 
@@ -217,7 +224,7 @@ def all_to_all(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> 
           rows.append(moved[b])
         recv.append(tuple(rows))
       pieces.append(send + recv)
-    stage_rounds = [r for r in embed(sub, groups(shape, t), pieces) if r]
+    stage_rounds = [r for r in embed(sub, groups(shape, t), np.array(pieces)) if r]
     spans.append((t, len(rounds), len(rounds) + len(stage_rounds)))
     rounds += stage_rounds
     loc.update(moved)

@@ -12,19 +12,23 @@ P = 2^floor(log2 N), p = log2 P.
 
 from __future__ import annotations
 
+import numpy as np
+
 from jaxcoll._src.algorithms import register
-from jaxcoll._src.algorithms.common import Fold, Rounds, build
-from jaxcoll._src.schedule import Message
+from jaxcoll._src.algorithms.common import Fold, Rounds, block_rows, build
+from jaxcoll._src.schedule import Messages
 
 
-def _exchange_rounds(fold: Fold, held: list[tuple[int, ...]], combine) -> Rounds:
+def _exchange_rounds(fold: Fold, held: np.ndarray, combine) -> Rounds:
+  """Virtual rank v exchanges the chunks it holds (``held``: [P, C] bools) with v ^ mask."""
+  v = np.arange(fold.p)
   rounds: Rounds = []
   mask = 1
   while mask < fold.p:
-    rounds.append([Message(fold.active[v], fold.active[v ^ mask], held[v], held[v], combine)
-                   for v in range(fold.p)])
+    src, dst = fold.partners(mask)
+    rounds.append(Messages.ragged(src, dst, block_rows(held), combine=combine))
     if combine == "copy":
-      held = [tuple(sorted(held[v] + held[v ^ mask])) for v in range(fold.p)]
+      held = held | held[v ^ mask]
     mask <<= 1
   return rounds
 
@@ -32,18 +36,18 @@ def _exchange_rounds(fold: Fold, held: list[tuple[int, ...]], combine) -> Rounds
 @register("all_reduce", "recursive_doubling")
 def all_reduce(n: int):
   fold = Fold(n)
-  rounds = _exchange_rounds(fold, [(0,)] * fold.p, "reduce")
-  pre = fold.pre([(0,)] * n) if fold.extra else []
-  post = fold.post((0,)) if fold.extra else []
+  rounds = _exchange_rounds(fold, np.ones((fold.p, 1), bool), "reduce")
+  pre = fold.pre([[0]]) if fold.extra else []
+  post = fold.post([[0]]) if fold.extra else []
   return build("all_reduce", "recursive_doubling", n, 1, pre, rounds, post)
 
 
 @register("all_gather", "recursive_doubling")
 def all_gather(n: int):
   fold = Fold(n)
-  held = [tuple(sorted([r] + [x for x in fold.excluded if fold.owner(x) == r]))
-          for r in fold.active]
+  held = np.zeros((fold.p, n), bool)                 # block b starts at its owner
+  held[fold.virtual[fold.owner(np.arange(n))], np.arange(n)] = True
   rounds = _exchange_rounds(fold, held, "copy")
-  pre = fold.pre([(r,) for r in range(n)], "copy") if fold.extra else []
-  post = fold.post(tuple(range(n))) if fold.extra else []
+  pre = fold.pre(np.arange(n), "copy") if fold.extra else []
+  post = fold.post(np.arange(n)[None]) if fold.extra else []
   return build("all_gather", "recursive_doubling", n, n, pre, rounds, post)

@@ -14,29 +14,35 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from jaxcoll._src.algorithms import register
 from jaxcoll._src.algorithms.common import Rounds, build, merge
-from jaxcoll._src.schedule import Message
+from jaxcoll._src.schedule import Messages
 
-ChunksOf = Callable[[int], tuple[int, ...]]
+ChunksOf = Callable[[np.ndarray], np.ndarray]   # blocks [K] -> chunk rows [K, k]
 
 
-def _block(b: int) -> tuple[int, ...]:
-  return (b,)
+def _block(b: np.ndarray) -> np.ndarray:
+  return b
+
+
+def _rounds(n: int, chunks: ChunksOf, direction: int, lag: int, combine) -> Rounds:
+  """Round s: rank r sends block r - direction * (s + lag) to r + direction."""
+  src = np.arange(n, dtype=np.int32)
+  dst = (src + direction) % n
+  blocks = lambda s: chunks((src - direction * (s + lag)) % n)  # noqa: E731
+  return [[Messages.of(src, dst, blocks(s), combine=combine)] for s in range(n - 1)]
 
 
 def reduce_scatter_rounds(n: int, chunks: ChunksOf = _block, direction: int = 1) -> Rounds:
   """Block b accumulates along the ring and ends complete at rank b."""
-  return [[Message(r, (r + direction) % n, chunks((r - direction * (s + 1)) % n),
-                   chunks((r - direction * (s + 1)) % n), "reduce") for r in range(n)]
-          for s in range(n - 1)]
+  return _rounds(n, chunks, direction, 1, "reduce")
 
 
 def all_gather_rounds(n: int, chunks: ChunksOf = _block, direction: int = 1) -> Rounds:
   """Rank r starts with block r; in round s it forwards block r - s."""
-  return [[Message(r, (r + direction) % n, chunks((r - direction * s) % n),
-                   chunks((r - direction * s) % n), "copy") for r in range(n)]
-          for s in range(n - 1)]
+  return _rounds(n, chunks, direction, 0, "copy")
 
 
 @register("reduce_scatter", "ring")
@@ -56,7 +62,7 @@ def all_reduce(n: int):
 
 @register("all_reduce", "bidirectional_ring")
 def all_reduce_bidirectional(n: int):
-  upper = lambda b: (n + b,)  # noqa: E731
+  upper = lambda b: n + b  # noqa: E731
   return build("all_reduce", "bidirectional_ring", n, 2 * n,
                merge(reduce_scatter_rounds(n), reduce_scatter_rounds(n, upper, -1)),
                merge(all_gather_rounds(n), all_gather_rounds(n, upper, -1)))

@@ -21,28 +21,37 @@ L = ceil(log2 N), M = message bytes.
 
 from __future__ import annotations
 
-import collections
+import numpy as np
 
 from jaxcoll._src.algorithms import register, ring
 from jaxcoll._src.algorithms.common import Rounds, build, log2_ceil
-from jaxcoll._src.schedule import Message
+from jaxcoll._src.schedule import Messages
+
+WHOLE = np.zeros((1, 1), np.int32)   # the one chunk of an unblocked tree
 
 
-def binomial_reduce_rounds(n: int, chunks=(0,)) -> Rounds:
+def binomial_reduce_rounds(n: int) -> Rounds:
   rounds, d = [], 1
   while d < n:
-    rounds.append([Message(r, r - d, chunks, chunks, "reduce") for r in range(d, n, 2 * d)])
+    src = np.arange(d, n, 2 * d)
+    rounds.append([Messages.of(src, src - d, WHOLE, combine="reduce")])
     d <<= 1
   return rounds
 
 
-def binomial_broadcast_rounds(n: int, chunks=(0,)) -> Rounds:
+def binomial_broadcast_rounds(n: int) -> Rounds:
   d = 1 << log2_ceil(n) >> 1
   rounds = []
   while d:
-    rounds.append([Message(r, r + d, chunks, chunks, "copy") for r in range(0, n - d, 2 * d)])
+    src = np.arange(0, n - d, 2 * d)
+    rounds.append([Messages.of(src, src + d, WHOLE, combine="copy")])
     d >>= 1
   return rounds
+
+
+def _subtree_blocks(v: np.ndarray, d: int, n: int):
+  """Blocks [v, min(v + d, n)) for each v, as ragged rows."""
+  return [np.arange(x, min(x + d, n)) for x in v.tolist()]
 
 
 def binomial_scatter_rounds(n: int) -> Rounds:
@@ -50,8 +59,8 @@ def binomial_scatter_rounds(n: int) -> Rounds:
   d = 1 << log2_ceil(n) >> 1
   rounds = []
   while d:
-    rounds.append([Message(v, v + d, blocks, blocks, "copy") for v in range(0, n - d, 2 * d)
-                   for blocks in [tuple(range(v + d, min(v + 2 * d, n)))]])
+    v = np.arange(0, n - d, 2 * d)
+    rounds.append(Messages.ragged(v, v + d, _subtree_blocks(v + d, d, n), combine="copy"))
     d >>= 1
   return rounds
 
@@ -60,8 +69,8 @@ def binomial_gather_rounds(n: int) -> Rounds:
   """Block v (held by rank v) goes up the tree to rank 0."""
   rounds, d = [], 1
   while d < n:
-    rounds.append([Message(v, v - d, blocks, blocks, "copy") for v in range(d, n, 2 * d)
-                   for blocks in [tuple(range(v, min(v + d, n)))]])
+    v = np.arange(d, n, 2 * d)
+    rounds.append(Messages.ragged(v, v - d, _subtree_blocks(v, d, n), combine="copy"))
     d <<= 1
   return rounds
 
@@ -94,58 +103,66 @@ def reduce_scatter_gather(n: int):
                binomial_gather_rounds(n))
 
 
-def nccl_btree_parents(n: int) -> list[int]:
-  """Parent of each rank in NCCL's in-order binary tree (``ncclGetBtree``); root 0 has -1."""
-  parents = [-1] * n
-  for rank in range(1, n):
-    bit = 1
-    while bit < n and not bit & rank:
-      bit <<= 1
-    up = (rank ^ bit) | (bit << 1)
-    parents[rank] = up if up < n else rank ^ bit
+def nccl_btree_parents(n: int) -> np.ndarray:
+  """Parent of each rank in NCCL's in-order binary tree (``ncclGetBtree``); root 0 has -1.
+
+  Rank r's lowest set bit b: its parent is (r ^ b) | 2b if that is a rank, else r ^ b."""
+  rank = np.arange(n)
+  bit = rank & -rank
+  up = (rank ^ bit) | (bit << 1)
+  parents = np.where(up < n, up, rank ^ bit)
+  parents[0] = -1
   return parents
 
 
-def double_binary_trees(n: int) -> tuple[list[int], list[int]]:
+def double_binary_trees(n: int) -> tuple[np.ndarray, np.ndarray]:
   """The two complementary trees (``ncclGetDtree``): the second is the first mirrored
   (N even) or shifted by one (N odd)."""
   first = nccl_btree_parents(n)
   relabel = (lambda r: n - 1 - r) if n % 2 == 0 else (lambda r: (r + 1) % n)
-  second = [-1] * n
-  for r, p in enumerate(first):
-    second[relabel(r)] = -1 if p < 0 else relabel(p)
+  second = np.full(n, -1)
+  second[relabel(np.arange(n))] = np.where(first < 0, -1, relabel(first))
   return first, second
 
 
-def _pipelined_tree_messages(parents: list[int], chunks: list[int]) -> dict[int, list[Message]]:
+def _heights_depths(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Height (edges down to the deepest leaf) and depth of every node of a tree."""
   n = len(parents)
-  children = collections.defaultdict(list)
-  for r, p in enumerate(parents):
-    if p >= 0:
-      children[p].append(r)
-  height, depth = [0] * n, [0] * n
-
-  def set_height(r):
-    height[r] = 1 + max((set_height(c) for c in children[r]), default=-1)
-    return height[r]
-
-  root = parents.index(-1)
-  set_height(root)
-  order = [root]
-  for r in order:
-    for c in children[r]:
-      depth[c] = depth[r] + 1
-      order.append(c)
-  if len(order) != n:
+  depth = np.zeros(n, np.int64)
+  node = np.arange(n)
+  for _ in range(n):                        # walk every node to the root at once
+    up = parents[node] >= 0
+    if not up.any():
+      break
+    node = np.where(up, parents[node], node)
+    depth += up
+  if (parents < 0).sum() != 1 or (parents[node] >= 0).any():
     raise AssertionError(f"not a tree: {parents}")
-  steps = collections.defaultdict(list)
-  top = height[root]
-  for i, chunk in enumerate(chunks):
-    for r in range(n):
-      if parents[r] >= 0:
-        steps[i + height[r]].append(Message(r, parents[r], (chunk,), (chunk,), "reduce"))
-      for c in children[r]:
-        steps[i + top + depth[r]].append(Message(r, c, (chunk,), (chunk,), "copy"))
+  height = np.zeros(n, np.int64)
+  for r in np.argsort(-depth, kind="stable").tolist():   # children before parents
+    if parents[r] >= 0:
+      height[parents[r]] = max(height[parents[r]], height[r] + 1)
+  return height, depth
+
+
+def _pipelined_tree_rounds(parents: np.ndarray, chunks: np.ndarray) -> dict[int, list[Messages]]:
+  """Step -> messages of one pipelined tree: chunk i goes up from a node of height h at step
+  i + h and down from a node of depth d at step i + H + d (H: the root's height)."""
+  height, depth = _heights_depths(parents)
+  top = height.max()
+  child = np.flatnonzero(parents >= 0)          # one edge per child, in rank order
+  parent = parents[child]
+  by_parent = np.argsort(parent, kind="stable")
+  child, parent = child[by_parent], parent[by_parent]   # down edges in (parent, child) order
+  up_child = np.sort(child)
+  steps: dict[int, list[Messages]] = {}
+  for i, chunk in enumerate(chunks.tolist()):
+    for t in np.unique(np.concatenate([i + height[child], i + top + depth[parent]])).tolist():
+      up = up_child[i + height[up_child] == t]
+      down = i + top + depth[parent] == t
+      steps.setdefault(t, []).extend([
+          Messages.of(up, parents[up], [[chunk]], combine="reduce"),
+          Messages.of(parent[down], child[down], [[chunk]], combine="copy")])
   return steps
 
 
@@ -154,10 +171,11 @@ def all_reduce_double_binary_tree(n: int, *, pipeline: int = 4):
   if pipeline < 1:
     raise ValueError(f"pipeline must be >= 1, got {pipeline}")
   first, second = double_binary_trees(n)
-  steps = collections.defaultdict(list)
-  for parents, chunks in ((first, range(pipeline)), (second, range(pipeline, 2 * pipeline))):
+  steps: dict[int, list[Messages]] = {}
+  for parents, chunks in ((first, np.arange(pipeline)),
+                          (second, np.arange(pipeline, 2 * pipeline))):
     if n > 1:
-      for t, msgs in _pipelined_tree_messages(parents, list(chunks)).items():
-        steps[t].extend(msgs)
-  rounds = [steps[t] for t in range(max(steps, default=-1) + 1)]
+      for t, msgs in _pipelined_tree_rounds(parents, chunks).items():
+        steps.setdefault(t, []).extend(msgs)
+  rounds = [steps.get(t, []) for t in range(max(steps, default=-1) + 1)]
   return build("all_reduce", "double_binary_tree", n, 2 * pipeline, rounds)
