@@ -201,8 +201,13 @@ class Step:
       src, dst, send, recv, order = (np.concatenate(f) if len(gs) > 1 else f[0]
                                      for f in zip(*((*g[:4], at) for g, at in gs)))
       layer = _first_fit(src, dst, [len(g.src) for g, _ in gs])
-      made += [(order[idx[0]], Transfer(src[idx], dst[idx], send[idx], recv[idx], combine))
-               for idx in (np.flatnonzero(layer == j) for j in range(layer.max() + 1))]
+      whole = {int(at[0]): g for g, at in gs}   # a transfer of one whole group keeps its arrays
+      for j in range(layer.max() + 1):
+        idx = np.flatnonzero(layer == j)
+        first, g = order[idx[0]], whole.get(int(order[idx[0]]))
+        if g is None or len(g.src) != len(idx) or order[idx[-1]] - first != len(idx) - 1:
+          g = Messages(src[idx], dst[idx], send[idx], recv[idx], combine)
+        made.append((first, Transfer(g.src, g.dst, g.send, g.recv, combine)))
     return Step(tuple(t for _, t in sorted(made, key=lambda m: m[0])))
 
 
@@ -356,10 +361,14 @@ class Schedule:
     coords = np.stack(np.unravel_index(np.arange(self.axis_size), shape), axis=1)
     steps = np.zeros(len(shape), np.int64)
     sent = np.zeros((len(shape), self.axis_size))
+    axes: dict[tuple[int, int], np.ndarray] = {}   # per permutation: rings share one
     for step in self.steps:
       crossed = np.zeros(len(shape), bool)
       for t in step.transfers:
-        axis = crossing_axis(coords, t.src, t.dst)
+        key = (id(t.src), id(t.dst))
+        if key not in axes:
+          axes[key] = crossing_axis(coords, t.src, t.dst)
+        axis = axes[key]
         weight = t.chunks_per_message * (partial_sum_scale if t.combine == "reduce" else 1.0)
         for a in range(len(shape)):
           on = axis == a
