@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import jaxcoll
 from jaxcoll._src.algorithms.trees import double_binary_trees
-from jaxcoll._src.schedule import Step, Transfer
+from jaxcoll._src.schedule import Messages, Step, Transfer
 
 SIZES = range(1, 9)
 SCHEDULED = [(p, a) for p in jaxcoll.PRIMITIVES for a in jaxcoll.algorithms(p)
@@ -220,6 +220,30 @@ def test_simulate_low_precision_rounds_once_per_combine():
   out = sched.simulate([a, b])
   want = (a.astype(np.float32) + b.astype(np.float32)).astype(ml_dtypes.bfloat16)
   np.testing.assert_array_equal(out[0], want)
+
+
+@given(groups=st.lists(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=1,
+                                max_size=6), min_size=1, max_size=4),
+       combines=st.lists(st.sampled_from(["reduce", "copy"]), min_size=4, max_size=4))
+def test_step_packs_messages_first_fit(groups, combines):
+  """Step.of equals packing the messages one by one, each into the first ppermute of its
+  shape and combine in which neither its source sends nor its destination receives."""
+  messages = [(s, d, c) for g, c in zip(groups, combines) for s, d in g]
+  layers = []   # (combine, sources, destinations, messages), in order of creation
+  for s, d, c in messages:
+    for combine, srcs, dsts, msgs in layers:
+      if combine == c and s not in srcs and d not in dsts:
+        break
+    else:
+      combine, srcs, dsts, msgs = c, set(), set(), []
+      layers.append((combine, srcs, dsts, msgs))
+    srcs.add(s)
+    dsts.add(d)
+    msgs.append((s, d))
+  step = Step.of([Messages.of([s for s, _ in g], [d for _, d in g], np.arange(len(g)), combine=c)
+                  for g, c in zip(groups, combines)])
+  got = [(t.combine, list(zip(t.src.tolist(), t.dst.tolist()))) for t in step.transfers]
+  assert got == [(c, msgs) for c, _, _, msgs in layers]
 
 
 def test_invalid_schedules_raise():

@@ -68,7 +68,7 @@ from jaxcoll._src import compat
 from jaxcoll._src.algorithms import HIERARCHICAL, NATIVE, algorithms, schedule
 from jaxcoll._src.executor import LOOP_MIN_STEPS, plan
 from jaxcoll._src.profile import Link, Profile
-from jaxcoll._src.schedule import Schedule, crossing_axis
+from jaxcoll._src.schedule import Schedule, crossing_axis, per_array
 from jaxcoll._src.topology import CLASSES, Topology, single_process
 
 NATIVE_EQUIVALENT = {
@@ -124,23 +124,20 @@ def loads(sched: Schedule, axis_sizes: tuple[int, ...], topo: Topology | None = 
   sit as ``topo`` says (default: one process).
 
   Work grows with the distinct permutations and step structures, not with the steps: a
-  ring's thousands of steps share one permutation (:class:`Transfer` s share their rank
-  arrays), so rings of 16,384 ranks price in milliseconds once built."""
+  ring's thousands of steps share one permutation (their :class:`Transfer` s share rank
+  arrays, :func:`per_array`), whose links are read once."""
   n = sched.axis_size
   topo = topo or single_process(n)
   coords = np.stack(np.unravel_index(np.arange(n), axis_sizes), axis=1)
-  lanes: dict[tuple[int, int], tuple[np.ndarray, int, np.ndarray, np.ndarray]] = {}
 
-  def lane(t):   # (crosses [A, C], moving messages, moving src, moving dst) of a permutation
-    key = (id(t.src), id(t.dst))
-    if key not in lanes:
-      axis = crossing_axis(coords, t.src, t.dst)
-      moving = axis >= 0
-      src, dst = t.src[moving], t.dst[moving]
-      crossed = np.zeros((len(axis_sizes), len(CLASSES)), bool)
-      crossed[axis[moving], topo.classes(src, dst)] = True
-      lanes[key] = (crossed, int(moving.sum()), src, dst)
-    return lanes[key]
+  @per_array
+  def lane(src, dst):   # (crosses [A, C], moving messages, moving src, moving dst)
+    axis = crossing_axis(coords, src, dst)
+    moving = axis >= 0
+    src, dst = src[moving], dst[moving]
+    crossed = np.zeros((len(axis_sizes), len(CLASSES)), bool)
+    crossed[axis[moving], topo.classes(src, dst)] = True
+    return crossed, int(moving.sum()), src, dst
 
   touched_of: dict[tuple, float] = {}
 
@@ -149,7 +146,7 @@ def loads(sched: Schedule, axis_sizes: tuple[int, ...], topo: Topology | None = 
     if key not in touched_of:
       local = np.zeros(n)
       for t in step.transfers:
-        _, _, src, dst = lane(t)
+        _, _, src, dst = lane(t.src, t.dst)
         k = t.chunks_per_message
         local[src] += k
         local[dst] += 2 * k if t.combine == "reduce" else k
@@ -159,9 +156,9 @@ def loads(sched: Schedule, axis_sizes: tuple[int, ...], topo: Topology | None = 
   transfers = [t for step in sched.steps for t in step.transfers]
   chunks = np.array([t.chunks_per_message for t in transfers], float)
   reduce = np.array([t.combine == "reduce" for t in transfers], bool)
-  crosses = np.array([lane(t)[0] for t in transfers], bool).reshape(
+  crosses = np.array([lane(t.src, t.dst)[0] for t in transfers], bool).reshape(
       len(transfers), len(axis_sizes), len(CLASSES))
-  messages = np.array([lane(t)[1] for t in transfers], float)
+  messages = np.array([lane(t.src, t.dst)[1] for t in transfers], float)
   buffer_chunks = sched.num_chunks
   unrolled = unrolled_steps(sched)
   steps_touched = np.array([touched(step) for step in sched.steps], float).reshape(-1)

@@ -211,6 +211,22 @@ class Step:
     return Step(tuple(t for _, t in sorted(made, key=lambda m: m[0])))
 
 
+def per_array(fn):
+  """``fn`` of NumPy arrays, computed once per distinct set of array objects (by identity).
+
+  Schedules share rank arrays between steps (a ring's thousands of steps hold one
+  permutation), so whatever is computed from them alone is computed once; the cache lives
+  as long as the returned function (one pass over one schedule)."""
+  cache: dict[tuple[int, ...], object] = {}
+
+  def cached(*arrays):
+    key = tuple(map(id, arrays))
+    if key not in cache:
+      cache[key] = fn(*arrays)
+    return cache[key]
+  return cached
+
+
 def _per_rank(ranks: np.ndarray, n: int, weight: float) -> np.ndarray:
   """[N]: ``weight`` for every rank in ``ranks`` (distinct), 0 elsewhere."""
   return np.bincount(ranks, minlength=n) * weight
@@ -361,14 +377,11 @@ class Schedule:
     coords = np.stack(np.unravel_index(np.arange(self.axis_size), shape), axis=1)
     steps = np.zeros(len(shape), np.int64)
     sent = np.zeros((len(shape), self.axis_size))
-    axes: dict[tuple[int, int], np.ndarray] = {}   # per permutation: rings share one
+    crossing = per_array(functools.partial(crossing_axis, coords))
     for step in self.steps:
       crossed = np.zeros(len(shape), bool)
       for t in step.transfers:
-        key = (id(t.src), id(t.dst))
-        if key not in axes:
-          axes[key] = crossing_axis(coords, t.src, t.dst)
-        axis = axes[key]
+        axis = crossing(t.src, t.dst)
         weight = t.chunks_per_message * (partial_sum_scale if t.combine == "reduce" else 1.0)
         for a in range(len(shape)):
           on = axis == a
@@ -410,8 +423,7 @@ class Schedule:
   def relabel(self, root: int) -> Schedule:
     """The same schedule with rank v played by rank (v + root) mod N."""
     n = self.axis_size
-    moved: dict[int, np.ndarray] = {}   # one array per array shared by several transfers
-    shift = lambda ranks: moved.setdefault(id(ranks), (ranks + root) % n)  # noqa: E731
+    shift = per_array(lambda ranks: (ranks + root) % n)   # shared arrays stay shared
     steps = tuple(
         Step(tuple(dataclasses.replace(t, src=shift(t.src), dst=shift(t.dst)) for t in s.transfers))
         for s in self.steps)

@@ -41,7 +41,7 @@ import numpy as np
 
 from jaxcoll._src.algorithms import register, schedule
 from jaxcoll._src.algorithms.common import Rounds, build
-from jaxcoll._src.schedule import Messages, Schedule
+from jaxcoll._src.schedule import Messages, Schedule, per_array
 
 NAME = "hierarchical"
 DEFAULT_STAGE = {"all_to_all": "direct"}
@@ -71,13 +71,7 @@ def embed(sub: Schedule, rank_groups: np.ndarray, pieces: np.ndarray) -> Rounds:
   (``[N, C_sub, w]``). One round per step."""
   pieces = np.asarray(pieces)
   copies = len(rank_groups)
-  global_ranks: dict[int, np.ndarray] = {}   # shared sub-rank arrays stay shared (the cost model)
-
-  def ranks(sub_ranks):
-    if id(sub_ranks) not in global_ranks:
-      global_ranks[id(sub_ranks)] = rank_groups[:, sub_ranks].reshape(-1).astype(np.int32)
-    return global_ranks[id(sub_ranks)]
-
+  ranks = per_array(lambda sub: rank_groups[:, sub].reshape(-1).astype(np.int32))
   rounds = []
   for step in sub.steps:
     msgs = []
