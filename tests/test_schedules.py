@@ -231,15 +231,13 @@ def test_step_packs_messages_first_fit(groups, combines):
   messages = [(s, d, c) for g, c in zip(groups, combines) for s, d in g]
   layers = []   # (combine, sources, destinations, messages), in order of creation
   for s, d, c in messages:
-    for combine, srcs, dsts, msgs in layers:
-      if combine == c and s not in srcs and d not in dsts:
-        break
-    else:
-      combine, srcs, dsts, msgs = c, set(), set(), []
-      layers.append((combine, srcs, dsts, msgs))
-    srcs.add(s)
-    dsts.add(d)
-    msgs.append((s, d))
+    fits = [layer for layer in layers if layer[0] == c and s not in layer[1] and d not in layer[2]]
+    if not fits:
+      layers.append((c, set(), set(), []))
+    layer = fits[0] if fits else layers[-1]
+    layer[1].add(s)
+    layer[2].add(d)
+    layer[3].append((s, d))
   step = Step.of([Messages.of([s for s, _ in g], [d for _, d in g], np.arange(len(g)), combine=c)
                   for g, c in zip(groups, combines)])
   got = [(t.combine, list(zip(t.src.tolist(), t.dst.tolist()))) for t in step.transfers]
