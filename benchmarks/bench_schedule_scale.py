@@ -3,8 +3,9 @@
 For every all_reduce, reduce_scatter and all_gather schedule at each rank count N: the
 seconds to build it (``jaxcoll.schedule``, uncached) and to run it in the NumPy simulator
 on one float32 per chunk and rank. Then the seconds ``jaxcoll.explain`` (what auto weighs at
-trace time) takes for a 4 MiB all_reduce over both axes of a (N/256, 256) mesh: every flat
-and hierarchical candidate built and priced (first call in the process; cached afterwards).
+trace time) takes for a 4 MiB all_reduce over both axes of a (N/256, 256) mesh (every flat
+and hierarchical candidate built and priced; first call in the process, cached afterwards),
+and over the 256- or 1,024-device axis of a 16,384-device mesh.
 Median of ``--reps``.
 
 Examples:
@@ -17,8 +18,10 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import multiprocessing
 import statistics
 import time
+from concurrent import futures
 
 import numpy as np
 
@@ -60,15 +63,24 @@ def main() -> None:
               f"| {simulate:.2f} |", flush=True)
         del sched, xs
   if args.explain:
-    print("\n| mesh | devices | candidates | explain s (first call) |")
-    print("|---|---:|---:|---:|")
-    for n in map(int, args.explain.split(",")):
-      mesh = {"pod": n // 256, "chip": 256}
-      start = time.perf_counter()
-      table = jaxcoll.explain("all_reduce", np.zeros(1 << 20, np.float32), mesh, tuple(mesh),
-                              profile="cpu")
-      print(f"| {tuple(mesh.values())} | {n} | {len(table.rows)} "
-            f"| {time.perf_counter() - start:.2f} |", flush=True)
+    print("\n| mesh | devices | over | candidates | explain s (first call) |")
+    print("|---|---:|---|---:|---:|")
+    cases = [((n // 256, 256), ("pod", "chip")) for n in map(int, args.explain.split(","))]
+    cases += [((64, 256), ("chip",)), ((16, 1024), ("chip",))]   # one axis of 16,384 devices
+    for shape, over in cases:   # each in a fresh process: nothing cached from the others
+      with futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        rows, took = pool.submit(time_explain, shape, over).result()
+      print(f"| {shape} | {shape[0] * shape[1]} | {', '.join(over)} | {rows} | {took:.2f} |",
+            flush=True)
+
+
+def time_explain(shape: tuple[int, int], over: tuple[str, ...]) -> tuple[int, float]:
+  """(rows, seconds) of the first explain of a 4 MiB all_reduce in this process."""
+  mesh = dict(zip(("pod", "chip"), shape))
+  start = time.perf_counter()
+  table = jaxcoll.explain("all_reduce", np.zeros(1 << 20, np.float32), mesh, over,
+                          profile="cpu")
+  return len(table.rows), time.perf_counter() - start
 
 
 if __name__ == "__main__":
