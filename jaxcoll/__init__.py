@@ -2,6 +2,7 @@
 
 from jaxcoll import distributed, fsdp, kernels, moe, optax
 from jaxcoll._src.algorithms import algorithms, schedule
+from jaxcoll._src.algorithms.hierarchical import Hierarchical
 from jaxcoll._src.calibrate import calibrate
 from jaxcoll._src.collectives import (
   all_gather,
@@ -13,7 +14,6 @@ from jaxcoll._src.collectives import (
   shift,
 )
 from jaxcoll._src.config import config
-from jaxcoll._src.dispatch import Hierarchical
 from jaxcoll._src.explain import Explanation, Explanations, explain
 from jaxcoll._src.integrations.data_parallel import data_parallel
 from jaxcoll._src.integrations.per_device import PerDevice

@@ -215,7 +215,7 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
           key = dispatch.auto_label(op, axes, axis_sizes, nbytes, prof, weighed=candidates)
           label = f"auto -> {key}"
         elif a == "hierarchical":
-          key = dispatch.Hierarchical().label(op, len(axes))
+          key = jaxcoll.Hierarchical().label(op, len(axes))
         elif isinstance(a, jaxcoll.Hierarchical):
           key = label = a.label(op, len(axes))
         for w in (None, *(wire if a not in ("auto", "native") else ())):

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from jaxcoll._src import fused_combine
 from jaxcoll._src.algorithms import check_algorithm
+from jaxcoll._src.algorithms.hierarchical import Hierarchical
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.schedule import PRIMITIVES
 
@@ -42,7 +43,6 @@ def current() -> Config:
 
 
 def check_choice(primitive, algorithm, where: str):
-  from jaxcoll._src.dispatch import Hierarchical
   if primitive not in PRIMITIVES:
     raise ValueError(f"{where}: {primitive!r} is not a collective; expected one of {PRIMITIVES}")
   if not isinstance(algorithm, Hierarchical):

@@ -66,7 +66,7 @@ import numpy as np
 
 from jaxcoll._src import compat
 from jaxcoll._src.algorithms import HIERARCHICAL, NATIVE, algorithms, schedule
-from jaxcoll._src.executor import LOOP_MIN_STEPS, plan
+from jaxcoll._src.plan import LOOP_MIN_STEPS, plan
 from jaxcoll._src.profile import Link, Profile
 from jaxcoll._src.schedule import Schedule, crossing_axis, per_array
 from jaxcoll._src.topology import CLASSES, Topology, single_process

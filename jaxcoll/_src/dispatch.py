@@ -26,36 +26,13 @@ from jaxcoll._src import config as config_lib
 from jaxcoll._src import cost, debug_log
 from jaxcoll._src import topology as topology_lib
 from jaxcoll._src.algorithms import HIERARCHICAL, NATIVE, check_algorithm
-from jaxcoll._src.algorithms.hierarchical import DEFAULT_STAGE
+from jaxcoll._src.algorithms.hierarchical import Hierarchical
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.topology import Topology
 
 NATIVE_MARGIN = 1.25
 DEFAULT_PRESET = {"cpu": "cpu", "gpu": "h100-nvlink", "cuda": "h100-nvlink", "rocm": "h100-nvlink",
                   "tpu": "tpu-v5p-ici"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Hierarchical:
-  """``algorithm=`` value: the hierarchical algorithm with a flat algorithm per axis.
-
-  ``Hierarchical(("recursive_doubling", "ring"))`` on axis_name ("node", "local")
-  runs the node stage with recursive doubling and the local stages with rings;
-  ``None`` entries (and ``algorithm="hierarchical"``) use the default, "ring"
-  ("direct" for all_to_all). ``pieces=(8, 1)`` cuts the node stage's steps into
-  8 pieces each (:meth:`Schedule.in_pieces`): the same bytes in smaller messages,
-  which a slow TCP link carries better.
-  """
-
-  per_axis: tuple[str | None, ...] = ()
-  pieces: tuple[int, ...] = ()
-
-  def label(self, primitive: str, num_axes: int) -> str:
-    """The name explain and the benchmarks give it: ``hierarchical(ring,ring)``."""
-    default = DEFAULT_STAGE.get(primitive, "ring")
-    stages = ",".join(a or default for a in (self.per_axis or (None,) * num_axes))
-    cut = f"; pieces {','.join(map(str, self.pieces))}" if self.pieces else ""
-    return f"{HIERARCHICAL}({stages}{cut})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,6 @@ doubling) is unrolled, behind the barrier above, which does the same.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -59,74 +58,11 @@ from jaxcoll._src import axes as axes_lib
 from jaxcoll._src import ops
 from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.fused_combine import fused_combine
+from jaxcoll._src.plan import LOOP_MIN_STEPS, Phase, TransferPlan, plan
 from jaxcoll._src.schedule import Schedule
 from jaxcoll._src.wire import WireFormat
 
-LOOP_MIN_STEPS = 2
 REPLICATED = ("all_reduce", "all_gather")   # results every rank must hold bit for bit
-
-
-@dataclasses.dataclass(frozen=True)
-class _TransferPlan:
-  perm: tuple[tuple[int, int], ...]
-  rows: int
-  combine: str
-  send_contiguous: bool
-  recv_contiguous: bool
-  sent_rows_reduced_into: bool = False   # a sender combines into rows it sent (see plan)
-  receivers: tuple[bool, ...] | None = None   # who receives, where not every rank does
-
-
-@dataclasses.dataclass(frozen=True)
-class _Phase:
-  transfers: tuple[_TransferPlan, ...]
-  send: tuple[np.ndarray, ...]   # per transfer: [T, N] starts or [T, N, rows] indices
-  recv: tuple[np.ndarray, ...]
-
-  @property
-  def num_steps(self) -> int:
-    return self.send[0].shape[0] if self.send else 0
-
-
-def _is_run(chunks: np.ndarray) -> bool:
-  """Every row of ``chunks`` ([K, k]) is a run of consecutive indices."""
-  return bool((np.diff(chunks, axis=1) == 1).all())
-
-
-@functools.lru_cache(maxsize=1024)
-def plan(schedule: Schedule) -> tuple[_Phase, ...]:
-  """Groups the schedule's steps into phases with per-rank index tables."""
-  n = schedule.axis_size
-  phases: list[tuple[tuple[_TransferPlan, ...], list, list]] = []
-  reduced_into = _sent_rows_reduced_into(schedule)
-  for step, reused in zip(schedule.steps, reduced_into):
-    sends, recvs, plans = [], [], []
-    for t, again in zip(step.transfers, reused):
-      k = t.chunks_per_message
-      send = np.zeros((n, k), np.int32)
-      recv = np.tile(np.arange(k, dtype=np.int32), (n, 1))   # non-receivers: any valid rows
-      send[t.src] = t.send_chunks
-      recv[t.dst] = t.recv_chunks
-      receivers = None if len(t.dst) == n else tuple(np.isin(np.arange(n), t.dst).tolist())
-      plans.append(_TransferPlan(t.perm, k, t.combine, _is_run(t.send_chunks),
-                                 _is_run(t.recv_chunks), again, receivers))
-      sends.append(send)
-      recvs.append(recv)
-    key = tuple(plans)
-    if phases and phases[-1][0] == key:
-      phases[-1][1].append(sends)
-      phases[-1][2].append(recvs)
-    else:
-      phases.append((key, [sends], [recvs]))
-  out = []
-  for key, sends, recvs in phases:
-    def stack(tables, contiguous, j):
-      arr = np.stack([s[j] for s in tables])
-      return arr[..., 0] if contiguous else arr
-    out.append(_Phase(key,
-                      tuple(stack(sends, p.send_contiguous, j) for j, p in enumerate(key)),
-                      tuple(stack(recvs, p.recv_contiguous, j) for j, p in enumerate(key))))
-  return tuple(out)
 
 
 def ppermute(x, axes: tuple[str, ...], perm):
@@ -158,26 +94,6 @@ def _ppermute_as_bits_jvp(axis_name, perm, primals, tangents):
           lax.ppermute(tangents[0], axis_name, perm))
 
 
-def _sent_rows_reduced_into(schedule: Schedule) -> list[list[bool]]:
-  """Per step and transfer: whether some sender, after this send, next combines a received
-  message into a row it sent (before a copy overwrites it).
-
-  That is when a compressed send must leave its decoded value in the sender's rows: in a
-  symmetric exchange (recursive doubling) both partners then compute q(a) + q(b). Elsewhere
-  (every ring, tree and halving step) a sent row is next overwritten, sent again (which
-  encodes the same value) or final, and the executor's last pass settles final rows.
-  """
-  n, c = schedule.axis_size, schedule.num_chunks
-  reduced_next = np.zeros((n, c), bool)    # walking backwards: the next event is a reduce
-  out = []
-  for step in reversed(schedule.steps):
-    for t in step.transfers:              # receives come after the step's sends
-      reduced_next[t.dst[:, None], t.recv_chunks] = t.combine == "reduce"
-    out.append([bool(reduced_next[t.src[:, None], t.send_chunks].any())
-                for t in step.transfers])
-  return out[::-1]
-
-
 def _lookup(table: np.ndarray, *index):
   """``table[index]`` in a jit of its own, whose constant the table is: the caller's program
   holds no table, so ``jax.remat`` recomputes the lookup instead of saving the table as a
@@ -185,7 +101,7 @@ def _lookup(table: np.ndarray, *index):
   return jax.jit(lambda *i: jnp.asarray(table)[i])(*index)
 
 
-def _read(rows, index, plan_: _TransferPlan, contiguous: bool):
+def _read(rows, index, plan_: TransferPlan, contiguous: bool):
   if contiguous:
     return lax.dynamic_slice_in_dim(rows, index, plan_.rows, axis=0)
   return jnp.take(rows, index, axis=0, mode="clip")
@@ -231,7 +147,7 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
   rank = lax.axis_index(axis_name)
   axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
-  def send(p: _TransferPlan, rows, index):
+  def send(p: TransferPlan, rows, index):
     """(rows, message): the message to ppermute (encoded with a wire format; the sender's
     rows then keep the decoded message where it reduces into them again)."""
     data = _read(rows, index, p, p.send_contiguous)
@@ -243,13 +159,11 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
     if not p.sent_rows_reduced_into:
       return rows, message
     kept = wire_lib.decode(wire, values, exponents)
-    if len(p.perm) < schedule.axis_size:   # ranks outside the permutation keep their rows
-      senders = np.zeros(schedule.axis_size, bool)
-      senders[[s for s, _ in p.perm]] = True
-      kept = jnp.where(_lookup(senders, rank), kept, data)
+    if p.senders is not None:   # ranks outside the permutation keep their rows
+      kept = jnp.where(_lookup(np.asarray(p.senders), rank), kept, data)
     return _write(rows, index, kept.astype(rows.dtype), p.send_contiguous), message
 
-  def receive(p: _TransferPlan, rows, index, message):
+  def receive(p: TransferPlan, rows, index, message):
     """Combines ``message`` into this rank's rows ``index``; in a transfer that reaches some
     ranks only, the others (index: any valid rows) write back what they read."""
     old = _read(rows, index, p, p.recv_contiguous)
@@ -267,7 +181,7 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
       data = jnp.where(_lookup(np.asarray(p.receivers), rank), data, old)
     return _write(rows, index, data, p.recv_contiguous)
 
-  def run_step(phase: _Phase, rows, t):
+  def run_step(phase: Phase, rows, t):
     messages = []
     for p, table in zip(phase.transfers, phase.send):
       rows, message = send(p, rows, _lookup(table, t, rank))

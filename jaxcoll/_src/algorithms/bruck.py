@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxcoll._src.algorithms import register
 from jaxcoll._src.algorithms.common import build, log2_ceil
+from jaxcoll._src.algorithms.registry import register
 from jaxcoll._src.schedule import Messages
 
 

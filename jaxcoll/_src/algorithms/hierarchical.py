@@ -32,6 +32,7 @@ all_to_all: dimension-ordered routing, innermost axis first. A stage over axis
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -39,13 +40,36 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxcoll._src.algorithms import register, schedule
 from jaxcoll._src.algorithms.common import Rounds, build
+from jaxcoll._src.algorithms.registry import register, schedule
 from jaxcoll._src.schedule import Messages, Schedule, per_array
 
 NAME = "hierarchical"
 DEFAULT_STAGE = {"all_to_all": "direct"}
 _STAGE_ALIASES = {("all_gather", "halving_doubling"): "recursive_doubling"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hierarchical:
+  """``algorithm=`` value: the hierarchical algorithm with a flat algorithm per axis.
+
+  ``Hierarchical(("recursive_doubling", "ring"))`` on axis_name ("node", "local")
+  runs the node stage with recursive doubling and the local stages with rings;
+  ``None`` entries (and ``algorithm="hierarchical"``) use the default, "ring"
+  ("direct" for all_to_all). ``pieces=(8, 1)`` cuts the node stage's steps into
+  8 pieces each (:meth:`Schedule.in_pieces`): the same bytes in smaller messages,
+  which a slow TCP link carries better.
+  """
+
+  per_axis: tuple[str | None, ...] = ()
+  pieces: tuple[int, ...] = ()
+
+  def label(self, primitive: str, num_axes: int) -> str:
+    """The name explain and the benchmarks give it: ``hierarchical(ring,ring)``."""
+    default = DEFAULT_STAGE.get(primitive, "ring")
+    stages = ",".join(a or default for a in (self.per_axis or (None,) * num_axes))
+    cut = f"; pieces {','.join(map(str, self.pieces))}" if self.pieces else ""
+    return f"{NAME}({stages}{cut})"
 
 
 def stage_schedule(primitive: str, name: str | None, size: int, pieces: int = 1) -> Schedule:

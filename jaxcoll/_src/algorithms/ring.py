@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxcoll._src.algorithms import register
 from jaxcoll._src.algorithms.common import Rounds, build, merge
+from jaxcoll._src.algorithms.registry import register
 from jaxcoll._src.schedule import Messages
 
 ChunksOf = Callable[[np.ndarray], np.ndarray]   # blocks [K] -> chunk rows [K, k]

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxcoll._src.algorithms import register, ring
+from jaxcoll._src.algorithms import ring
 from jaxcoll._src.algorithms.common import Rounds, build, log2_ceil
+from jaxcoll._src.algorithms.registry import register
 from jaxcoll._src.schedule import Messages
 
 WHOLE = np.zeros((1, 1), np.int32)   # the one chunk of an unblocked tree
