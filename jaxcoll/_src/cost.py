@@ -156,9 +156,10 @@ def loads(sched: Schedule, axis_sizes: tuple[int, ...], topo: Topology | None = 
   transfers = [t for step in sched.steps for t in step.transfers]
   chunks = np.array([t.chunks_per_message for t in transfers], float)
   reduce = np.array([t.combine == "reduce" for t in transfers], bool)
-  crosses = np.array([lane(t.src, t.dst)[0] for t in transfers], bool).reshape(
+  lanes = [lane(t.src, t.dst) for t in transfers]
+  crosses = np.array([crossed for crossed, *_ in lanes], bool).reshape(
       len(transfers), len(axis_sizes), len(CLASSES))
-  messages = np.array([lane(t.src, t.dst)[1] for t in transfers], float)
+  messages = np.array([moving for _, moving, *_ in lanes], float)
   buffer_chunks = sched.num_chunks
   unrolled = unrolled_steps(sched)
   steps_touched = np.array([touched(step) for step in sched.steps], float).reshape(-1)

@@ -32,9 +32,8 @@ the whole buffer (``tests/test_executor.py`` counts them), because of two
 (A one-trip ``fori_loop`` around each unrolled step does nothing here: XLA removes loops of
 one trip before it places copies.)
 
-Consecutive steps with the same structure (same permutations, chunk counts and
-combines; only the chunk indices differ, as in every ring) form a phase. A
-phase of at least ``LOOP_MIN_STEPS`` (2) steps runs as one ``lax.fori_loop``
+A phase (:mod:`jaxcoll._src.plan`: consecutive steps of one structure, as in every ring)
+of at least ``LOOP_MIN_STEPS`` (2) steps runs as one ``lax.fori_loop``
 over per-step tables, so a ring on N ranks compiles to two ppermutes however
 large N is. The loop matters for speed too: unrolled, XLA fuses each step's
 next send (which reads the chunk just combined) with a recomputation of that

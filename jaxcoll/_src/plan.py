@@ -85,9 +85,10 @@ def plan(schedule: Schedule) -> tuple[Phase, ...]:
       arr = np.stack([s[j] for s in tables])
       return arr[..., 0] if contiguous else arr
     out.append(Phase(key,
-                      tuple(stack(sends, p.send_contiguous, j) for j, p in enumerate(key)),
-                      tuple(stack(recvs, p.recv_contiguous, j) for j, p in enumerate(key))))
+                     tuple(stack(sends, p.send_contiguous, j) for j, p in enumerate(key)),
+                     tuple(stack(recvs, p.recv_contiguous, j) for j, p in enumerate(key))))
   return tuple(out)
+
 
 def _members(ranks: np.ndarray, n: int) -> tuple[bool, ...] | None:
   """Which of the N ranks are in ``ranks``; None when all are."""
