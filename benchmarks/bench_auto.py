@@ -7,7 +7,7 @@ Every collective is written as a user writes it (``jaxcoll.all_reduce(x, axes)``
 default profile, no ``jaxcoll.config``) on four meshes of the same 8 devices: one flat axis
 "x", ("node", "local") 2 x 4 over the tuple, ("data", "model") 2 x 4 over the tuple, and one
 flat axis "devices". For each size, auto's program and ``lax.psum``'s are timed side by side
-(``timing.interleaved``: rounds in rotated order; medians). Auto's pick comes from
+(``jaxcoll.tools.interleaved``: rounds in rotated order; medians). Auto's pick comes from
 ``jaxcoll.explain``, which prices as the trace does. Process 0 prints a table of auto /
 native per mesh and size.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from jaxcoll.bench import parse_size, size_label
+from jaxcoll.tools import format_size, parse_size
 
 MESHES = ((("x",), (8,)), (("node", "local"), (2, 4)), (("data", "model"), (2, 4)),
           (("devices",), (8,)))
@@ -30,7 +30,6 @@ def child(args) -> int:
   from jax.sharding import PartitionSpec as P
 
   import jaxcoll
-  from jaxcoll._src import timing
 
   main = jax.process_index() == 0
   sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -44,15 +43,15 @@ def child(args) -> int:
       fns = [jax.jit(jax.shard_map(
           lambda v, a=a, axes=axes: jaxcoll.all_reduce(v[0], axes, algorithm=a)[None],
           mesh=mesh, in_specs=spec, out_specs=spec)) for a in ("auto", "native")]
-      times = timing.interleaved([lambda f=f, x=x: f(x).block_until_ready() for f in fns],
-                                 reps=args.reps, min_seconds=args.min_seconds)
+      times = jaxcoll.tools.interleaved([lambda f=f, x=x: f(x).block_until_ready() for f in fns],
+                                        reps=args.reps, min_seconds=args.min_seconds)
       auto, native = (statistics.median(t) for t in times)
       why = jaxcoll.explain("all_reduce", jax.ShapeDtypeStruct((s // 4,), np.float32), mesh,
                             axes)
       table.append((names, s, why.chosen, why.links, auto, native, why.predicted_s))
       if main:
-        print(f"{names} {size_label(s)}: auto -> {why.chosen} {auto * 1e3:.3f} ms, native "
-              f"{native * 1e3:.3f} ms", flush=True)
+        print(f"{names} {format_size(s, compact=True)}: auto -> {why.chosen} "
+              f"{auto * 1e3:.3f} ms, native {native * 1e3:.3f} ms", flush=True)
   if main:
     print(f"\n## all_reduce, float32, default settings, {jax.process_count()} process(es) x "
           f"{jax.local_device_count()} devices; medians of >= {args.reps} interleaved rounds\n")
@@ -60,8 +59,9 @@ def child(args) -> int:
           "| auto / native | predicted / measured |")
     print("|---|---|---:|---|---:|---:|---:|---:|")
     for names, s, chosen, links, auto, native, predicted in table:
-      print(f"| {', '.join(names)} | {links} | {size_label(s)} | {chosen} | {auto * 1e3:.3f} ms "
-            f"| {native * 1e3:.3f} ms | {auto / native:.2f} | {predicted / auto:.2f} |")
+      print(f"| {', '.join(names)} | {links} | {format_size(s, compact=True)} | {chosen} "
+            f"| {auto * 1e3:.3f} ms | {native * 1e3:.3f} ms | {auto / native:.2f} "
+            f"| {predicted / auto:.2f} |")
   return 0
 
 

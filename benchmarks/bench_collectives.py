@@ -47,6 +47,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcoll  # noqa: E402
+from jaxcoll.tools import format_size, parse_size  # noqa: E402
 
 N_DEVICES = 8
 DTYPE = np.float32
@@ -62,31 +63,12 @@ HLO_OPS = ("collective-permute", "dynamic-update-slice", "dynamic-slice", "fusio
 
 # ----------------------------------------------------------------------------- sizes and units
 
-def parse_size(text: str) -> int:
-  """'4K' / '4KiB' / '16M' / '1G' / '4096' -> bytes (binary prefixes)."""
-  m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(?:i?b)?\s*", text, re.IGNORECASE)
-  if not m:
-    raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 4K, 1M, 64MiB or 4096")
-  return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
-
-
-def fmt_size(nbytes: int) -> str:
-  for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-    if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-      return f"{nbytes >> shift} {unit}"
-  return f"{nbytes} B"
-
-
 def fmt_time(seconds: float) -> str:
   if seconds < 1e-3:
     return f"{seconds * 1e6:.1f} us"
   if seconds < 1:
     return f"{seconds * 1e3:.2f} ms"
   return f"{seconds:.3f} s"
-
-
-def bus_factor(primitive: str, n: int) -> float:
-  return 2 * (n - 1) / n if primitive == "all_reduce" else (n - 1) / n
 
 
 def allocator() -> str:
@@ -205,9 +187,9 @@ def hlo_report(mesh, nbytes: int = 16 << 20) -> None:
 
   top = [c for c in comps if c not in fused]
   in_top, in_fused = count(top), count(fused)
-  print(f"## Optimized HLO: ring all_reduce, {fmt_size(nbytes)} float32 per device, N={n}\n")
+  print(f"## Optimized HLO: ring all_reduce, {format_size(nbytes)} float32 per device, N={n}\n")
   print(f"schedule: {sched.num_steps} steps ({n - 1} reduce-scatter + {n - 1} all-gather), "
-        f"chunk = {fmt_size(nbytes // n)}; HLO has {len(comps)} computations "
+        f"chunk = {format_size(nbytes // n)}; HLO has {len(comps)} computations "
         f"({len(fused)} fused)\n")
   print("| op | unfused (entry, loop bodies) | inside fusions | total |")
   print("|---|---:|---:|---:|")
@@ -232,7 +214,7 @@ def hlo_report(mesh, nbytes: int = 16 << 20) -> None:
     parts = []
     for name, shp, op in step:
       label = re.sub(r"\.\d+$", "", name) if op == "fusion" else op
-      parts.append(f"{label} {_short(shp)} ({fmt_size(_shape_bytes(shp))})")
+      parts.append(f"{label} {_short(shp)} ({format_size(_shape_bytes(shp))})")
     return " -> ".join(parts)
 
   # Whole-buffer copies, split into the copy of the (non-donated) input and the rest.
@@ -260,7 +242,7 @@ def hlo_report(mesh, nbytes: int = 16 << 20) -> None:
         " dynamic-update-slice: reduce-scatter steps add it to the local chunk in the same fusion,"
         " all-gather steps overwrite.")
   if copies:
-    size = fmt_size(_shape_bytes(copies[0][1]))
+    size = format_size(_shape_bytes(copies[0][1]))
     print(f"Whole-buffer copies ({size} each): {len(of_input)} of the input (not donated), "
           f"{len(between)} between steps.")
   if between:
@@ -301,10 +283,10 @@ def run_benchmark(args, mesh) -> int:
   print(f"- allocator: {allocator()}")
   reps_note = f"{args.reps} timed reps"
   if any(r != args.reps for r in reps_for.values()):
-    reps_note += f" ({args.large_reps} for sizes >= {fmt_size(LARGE_BYTES)}, --large-reps)"
+    reps_note += f" ({args.large_reps} for sizes >= {format_size(LARGE_BYTES)}, --large-reps)"
   print(f"- {reps_note}, {args.warmup} warmup reps, interleaved (rotated algorithm order per "
         "rep); time = median")
-  print(f"- dtype float32; busbw factor {bus_factor(primitive, n):.3f}; M = "
+  print(f"- dtype float32; busbw factor {jaxcoll.spec(primitive).bus_factor(n):.3f}; M = "
         + ("gathered output per device" if primitive == "all_gather" else "input per device"))
   print(f"- algorithms: {', '.join(algos)}\n")
   sys.stdout.flush()
@@ -359,7 +341,7 @@ def run_benchmark(args, mesh) -> int:
       print(f"rep {rep + 1}/{max_reps} done ({elapsed:.1f} s)", file=sys.stderr)
 
   # Report.
-  factor = bus_factor(primitive, n)
+  factor = jaxcoll.spec(primitive).bus_factor(n)
   rows = []
   print("| size | algorithm | time | algbw GB/s | busbw GB/s | x native |")
   print("|---:|---|---:|---:|---:|---:|")
@@ -372,14 +354,14 @@ def run_benchmark(args, mesh) -> int:
                    "times_s": times[s, algo], "median_s": t, "algbw_GBps": algbw,
                    "busbw_GBps": algbw * factor, "x_native": t / native_t,
                    "first_call_s": compile_s[s, algo], "max_abs_err_vs_native": errors[s, algo]})
-      print(f"| {fmt_size(s)} | {algo} | {fmt_time(t)} | {algbw:.3f} | {algbw * factor:.3f} | "
+      print(f"| {format_size(s)} | {algo} | {fmt_time(t)} | {algbw:.3f} | {algbw * factor:.3f} | "
             f"{t / native_t:.2f} |")
 
   tol = 1e-4 * max(1.0, np.sqrt(n))
   bad = [(s, a, e) for (s, a), e in errors.items() if not e <= tol]
   if bad:
     print("\nWARNING: results differ from native by more than "
-          f"{tol:g}: " + ", ".join(f"{a}@{fmt_size(s)}={e:.3g}" for s, a, e in bad))
+          f"{tol:g}: " + ", ".join(f"{a}@{format_size(s)}={e:.3g}" for s, a, e in bad))
   if args.json:
     meta = {"jax": jax.__version__, "devices": n, "platform": jax.devices()[0].platform,
             "allocator": allocator(), "reps": args.reps, "large_reps": args.large_reps,
@@ -399,7 +381,7 @@ def main(argv=None) -> int:
                       help=f"comma list of per-device message sizes M (default {DEFAULT_SIZES})")
   parser.add_argument("--reps", type=int, default=10, help="timed repetitions (default 10)")
   parser.add_argument("--large-reps", type=int, default=None,
-                      help=f"timed repetitions for sizes >= {fmt_size(LARGE_BYTES)} "
+                      help=f"timed repetitions for sizes >= {format_size(LARGE_BYTES)} "
                       "(default: --reps)")
   parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions (default 2)")
   parser.add_argument("--algorithms", default="",

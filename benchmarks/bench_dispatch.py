@@ -6,7 +6,7 @@ Runs on a 2 x 4 mesh ("node", "local"), every collective over the tuple:
 First ``jaxcoll.calibrate`` measures the mesh at the benchmark's sizes. Then, for
 every size, every algorithm of ``--primitive`` (default all_reduce; flat ones
 over the tuple, hierarchical with auto's per-axis stages when auto picks it,
-else the default) and native are timed side by side (``timing.interleaved``:
+else the default) and native are timed side by side (``jaxcoll.tools.interleaved``:
 rounds in rotated order, at least ``--reps``, more at small sizes; medians).
 The table: auto's pick, auto / fastest measured, auto / native, predicted /
 measured for auto's pick, and the fastest algorithm. Process 0 prints.
@@ -22,16 +22,10 @@ import os
 import statistics
 import time
 
-from jaxcoll.bench import parse_size
+from jaxcoll import tools
+from jaxcoll.tools import format_size, parse_size
 
 SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
-
-
-def fmt_size(b: int) -> str:
-  for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-    if b >= size:
-      return f"{b // size} {unit}"
-  return f"{b} B"
 
 
 def fmt_time(s: float) -> str:
@@ -40,7 +34,7 @@ def fmt_time(s: float) -> str:
 
 def _elements(primitive: str, nbytes: int) -> int:
   """float32 elements per device of an M-byte message (all_gather: M is the output)."""
-  return nbytes // 4 // (8 if primitive == "all_gather" else 1)
+  return int(tools.spec(primitive).input_bytes(nbytes, 8)) // 4
 
 
 def child(args) -> int:
@@ -50,8 +44,6 @@ def child(args) -> int:
   from jax.sharding import PartitionSpec as P
 
   import jaxcoll
-  from jaxcoll._src import dispatch, timing
-  from jaxcoll._src.collectives import flat_call
 
   main = jax.process_index() == 0
   say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
@@ -74,23 +66,23 @@ def child(args) -> int:
   flat = list(jaxcoll.algorithms(args.primitive, num_axes=1))
   picks, median, predicted = {}, {}, {}
   for s in sizes:
-    weighed = dispatch.candidates(args.primitive, axes, (2, 4), s, profile)
-    pick = picks[s] = dispatch.pick(weighed)
+    weighed = tools.candidates(args.primitive, axes, (2, 4), s, profile)
+    pick = picks[s] = tools.pick(weighed)
     hier = (jaxcoll.Hierarchical(dict(pick.options)["per_axis"])
-            if pick.algorithm == "hierarchical" else jaxcoll.Hierarchical())
-    algos = {a: a for a in flat if a != "hierarchical"}
+            if pick.algorithm == jaxcoll.Hierarchical.name else jaxcoll.Hierarchical())
+    algos = {a: a for a in flat if a != jaxcoll.Hierarchical.name}
     algos[hier.label(args.primitive, len(axes))] = hier
     predicted.update({(s, c.label): c.predicted_s for c in weighed if c.label in algos})
     calls = []
     for algo in algos.values():
-      body = lambda v, algo=algo: flat_call(args.primitive, v[0], axes, algo)[None]  # noqa: E731
+      body = lambda v, algo=algo: tools.flat_call(args.primitive, v[0], axes, algo)[None]
       fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
       x = jax.device_put(np.ones((8, _elements(args.primitive, s)), np.float32), sharding)
       calls.append(lambda fn=fn, x=x: fn(x).block_until_ready())
-    times = timing.interleaved(calls, reps=args.reps, min_seconds=args.min_seconds)
+    times = tools.interleaved(calls, reps=args.reps, min_seconds=args.min_seconds)
     for label, t in zip(algos, times):
       median[s, label] = statistics.median(t)
-    say(f"{fmt_size(s)}: {len(times[0])} rounds")
+    say(f"{format_size(s)}: {len(times[0])} rounds")
   if not main:
     return 0
   print(f"\n## {args.primitive} over {axes} (2x4), {args.processes} process(es), float32, "
@@ -107,7 +99,7 @@ def child(args) -> int:
     best_label, best_t = min(((k[1], t) for k, t in median.items() if k[0] == s),
                              key=lambda kv: kv[1])
     ratios.append(auto_t / best_t)
-    print(f"| {fmt_size(s)} | {auto_label} | {fmt_time(auto_t)} | {best_label} "
+    print(f"| {format_size(s)} | {auto_label} | {fmt_time(auto_t)} | {best_label} "
           f"({fmt_time(best_t)}) | {auto_t / best_t:.2f} | {auto_t / median[s, 'native']:.2f} "
           f"| {pick.predicted_s / auto_t:.2f} |")
   print(f"\nauto / fastest: median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}")
@@ -121,13 +113,13 @@ def child(args) -> int:
       t = median.get((s, a))
       cells.append("-" if t is None else (fmt_time(t) if a == "native"
                                           else f"{t / median[s, 'native']:.2f}x"))
-    print(f"| {fmt_size(s)} | " + " | ".join(cells) + " |")
+    print(f"| {format_size(s)} | " + " | ".join(cells) + " |")
   print("\nEvery algorithm, predicted / measured time:\n")
   print("| size | " + " | ".join(labels) + " |")
   print("|---:|" + "---:|" * len(labels))
   for s in sizes:
     cells = [f"{predicted[s, a] / median[s, a]:.2f}" if (s, a) in median else "-" for a in labels]
-    print(f"| {fmt_size(s)} | " + " | ".join(cells) + " |")
+    print(f"| {format_size(s)} | " + " | ".join(cells) + " |")
   return 0
 
 

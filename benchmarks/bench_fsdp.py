@@ -13,7 +13,7 @@ tokens per device. Rows:
 - ``+ hpZ`` (its one-axis stages as rings), ``+ qwZ + qgZ`` (int8 gathers and
   reduce-scatter), and all three.
 
-Timed side by side (``timing.interleaved``, medians); "vs lax" is each row's time over lax
+Timed side by side (``jaxcoll.tools.interleaved``, medians); "vs lax" is each row's time over lax
 FSDP's. "MiB across node" is what one device sends across the node axis per step, counted
 from the step's ppermutes (``jaxcoll.traffic``; "-" where lax collectives hide it). Across two
 emulated nodes on a slow link:
@@ -38,8 +38,7 @@ def child(args) -> int:
   from jax.sharding import PartitionSpec as P
 
   import jaxcoll
-  from jaxcoll import fsdp
-  from jaxcoll._src import timing
+  from jaxcoll import fsdp, tools
 
   axes = ("node", "local")
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), axes)
@@ -106,7 +105,7 @@ def child(args) -> int:
   ways = [("lax FSDP", sharded_step(lax_layer)), ("data parallel", dp_step()),
           (f"FSDP ({args.algorithm})", sharded_step(jaxcoll_layer()))]
   ways += [(f"FSDP + {name}", sharded_step(jaxcoll_layer(**o))) for name, o in zpp.items()]
-  times = timing.interleaved([w[1][0] for w in ways], reps=args.reps,
+  times = tools.interleaved([w[1][0] for w in ways], reps=args.reps,
                              min_seconds=args.min_seconds)
   med = [statistics.median(t) for t in times]
   if jax.process_index() == 0:

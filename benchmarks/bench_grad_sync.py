@@ -4,7 +4,7 @@ The model's gradients: 150 leaves of 256 floats, 46 of 64x64, 4 of 512x512 (4.8 
 float32), on 8 devices over one axis "data":
   --processes 1: 8 CPU devices in one process;
   --processes 2: 2 processes x 4 devices on loopback, gloo (jaxcoll.launch).
-Timed side by side (``jaxcoll._src.timing.interleaved``: rounds in rotated order,
+Timed side by side (``jaxcoll.tools.interleaved``: rounds in rotated order,
 medians): per-leaf ``lax.pmean``; ``jaxcoll.sync_gradients`` (auto, ring, int8 wire);
 per-leaf ``jaxcoll.all_reduce(op="mean")`` (auto, ring). Columns: collectives in the
 compiled HLO (all-reduce ops + collective-permutes, loops counted once), median time, and
@@ -40,10 +40,10 @@ def child(args) -> int:
   from jax.sharding import PartitionSpec as P
 
   import jaxcoll
-  from jaxcoll._src import timing
+  from jaxcoll import tools
 
   if args.step:
-    return step_child(args, jax, np, lax, jaxcoll, timing)
+    return step_child(args, jax, np, lax, jaxcoll, tools)
   mesh = Mesh(np.array(jax.devices()), ("data",))
   n = mesh.size
   rng = np.random.default_rng(0)
@@ -78,7 +78,7 @@ def child(args) -> int:
   def call(c):
     return lambda: jax.block_until_ready(c(grads))
 
-  times = timing.interleaved([call(programs[k]) for k in ways], reps=args.reps,
+  times = tools.interleaved([call(programs[k]) for k in ways], reps=args.reps,
                              min_seconds=args.min_seconds)
   med = {k: statistics.median(t) for k, t in zip(ways, times)}
   if jax.process_index() == 0:
@@ -95,7 +95,7 @@ def child(args) -> int:
   return 0
 
 
-def step_child(args, jax, np, lax, jaxcoll, timing) -> int:
+def step_child(args, jax, np, lax, jaxcoll, tools) -> int:
   import jax.numpy as jnp
   import optax
   from jax.sharding import Mesh
@@ -142,7 +142,7 @@ def step_child(args, jax, np, lax, jaxcoll, timing) -> int:
   def call(f, state):
     return lambda: jax.block_until_ready(f(params, state, x))
 
-  times = timing.interleaved([call(*programs[k]) for k in syncs], reps=args.reps,
+  times = tools.interleaved([call(*programs[k]) for k in syncs], reps=args.reps,
                              min_seconds=args.min_seconds)
   med = {k: statistics.median(t) for k, t in zip(syncs, times)}
   if jax.process_index() == 0:

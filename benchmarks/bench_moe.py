@@ -7,7 +7,7 @@ factor 1.25, d = 1024, float32), T tokens per device:
 Each program runs ``jaxcoll.moe.dispatch`` then ``combine`` (no expert compute between, so
 the figure is the exchange alone); "native" is the lax.all_to_all implementation (the
 same routing, ``lax.all_to_all`` for both exchanges). Timed side by side
-(``timing.interleaved``, medians). Columns: time, ratio to native, and from the schedules
+(``jaxcoll.tools.interleaved``, medians). Columns: time, ratio to native, and from the schedules
 the bytes one device sends across the node axis for dispatch + combine and the messages
 (steps) that cross it. Across two emulated nodes on a slow link:
 
@@ -30,8 +30,7 @@ def child(args) -> int:
   from jax.sharding import PartitionSpec as P
 
   import jaxcoll
-  from jaxcoll import moe
-  from jaxcoll._src import timing
+  from jaxcoll import moe, tools
 
   axes = ("node", "local")
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), axes)
@@ -79,7 +78,7 @@ def child(args) -> int:
       f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(axes)),
                                 out_specs=P(axes)))
       programs.append(lambda f=f, x=x, logits=logits: jax.block_until_ready(f(x, logits)))
-    times = timing.interleaved(programs, reps=args.reps, min_seconds=args.min_seconds)
+    times = tools.interleaved(programs, reps=args.reps, min_seconds=args.min_seconds)
     med = [statistics.median(v) for v in times]
     buffer = E * cap * D * 4          # the [E, C, d] float32 buffer each exchange moves
     for (name, algorithm, wire, back), m in zip(todo, med):

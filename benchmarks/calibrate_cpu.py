@@ -2,7 +2,7 @@
 
   python benchmarks/calibrate_cpu.py            # writes jaxcoll/presets/cpu.json
 
-runs the two halves and fits them together (``jaxcoll._src.calibrate.fit``):
+runs the two halves and fits them together (``jaxcoll.tools.fit``):
   --part process: 8 CPU devices in one process, one axis "x" (every link "process");
   --part host: under ``jaxcoll.launch -n 2 --devices-per-process 4``, a ("node", "local")
     mesh of 2 x 4 over the two processes (links "process" and "host": gloo on loopback),
@@ -40,14 +40,13 @@ def measure(part: str, reps: int, min_seconds: float) -> None:
   import numpy as np
 
   import jaxcoll
-  from jaxcoll._src import calibrate
   if part == "host":
     jaxcoll.distributed.initialize()
   devices = np.array(jax.devices()[:8])
   mesh = (jax.sharding.Mesh(devices, ("x",)) if part == "process" else
           jax.sharding.Mesh(devices.reshape(2, 4), ("node", "local")))
-  measured = calibrate.measure(mesh, sizes=SIZES, reps=reps, min_seconds=min_seconds,
-                               progress=jax.process_index() == 0)
+  measured = jaxcoll.tools.measure(mesh, sizes=SIZES, reps=reps, min_seconds=min_seconds,
+                                   progress=jax.process_index() == 0)
   if jax.process_index() == 0:
     os.makedirs(OUT, exist_ok=True)
     with open(part_path(part), "w") as f:
@@ -56,12 +55,12 @@ def measure(part: str, reps: int, min_seconds: float) -> None:
 
 
 def fit(out: str) -> None:
-  from jaxcoll._src import calibrate
+  from jaxcoll import tools
   parts = []
   for part in ("process", "host"):
     with open(part_path(part)) as f:
-      parts.append(calibrate.Measurements.from_json(json.load(f)))
-  prof = calibrate.fit(parts, name="cpu")
+      parts.append(tools.Measurements.from_json(json.load(f)))
+  prof = tools.fit(parts, name="cpu")
   prof.save(out)
   print(f"wrote {out}: {prof.summary()}")
 

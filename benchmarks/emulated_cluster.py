@@ -93,7 +93,6 @@ class Namespaces:
 def link_bytes(op: str, algorithm: str, nbytes: int, dtype: str = "float32") -> float:
   """Bytes one direction of the node link carries (node 0 -> node 1), from the schedule."""
   import jaxcoll
-  from jaxcoll._src.cost import NATIVE_EQUIVALENT
   name = algorithm.split(" -> ")[-1]
   m = re.fullmatch(r"(.*) \[(.*)\]", name)   # "ring [int8]": compressed messages
   if m:
@@ -108,7 +107,7 @@ def link_bytes(op: str, algorithm: str, nbytes: int, dtype: str = "float32") -> 
       options["stage_pieces"] = pieces
     name = "hierarchical"
   elif name == "native":   # gloo's ring all-reduce, pairwise all-to-all
-    name = NATIVE_EQUIVALENT[op][0]
+    name = jaxcoll.tools.native_equivalents(op)[0]
   sched = jaxcoll.schedule(op, name, 8, **options)
   chunk = nbytes / sched.message_chunks
   total = 0.0
@@ -119,7 +118,7 @@ def link_bytes(op: str, algorithm: str, nbytes: int, dtype: str = "float32") -> 
 
 
 def report(rows: list[dict], rate_bps: float) -> str:
-  from jaxcoll.bench import BUS_FACTOR
+  from jaxcoll.tools import spec
   lines = ["| op | size/device | algorithm | time | vs native | vs ring | link bytes/direction (M) "
            "| link util | busbw / link rate | rel err |",
            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -129,7 +128,7 @@ def report(rows: list[dict], rate_bps: float) -> str:
             if x["op"] == r["op"] and x["size"] == r["size"]}
     on_link = link_bytes(r["op"], r["algorithm"], r["size"], r["dtype"])
     t = r["time_us"] * 1e-6
-    busbw = r["size"] * BUS_FACTOR[r["op"]](8) / t
+    busbw = r["size"] * spec(r["op"]).bus_factor(8) / t
     ratio = lambda name, t=t, same=same: f"{t / same[name]:.2f}" if name in same else "-"  # noqa: E731
     err = "-" if r.get("rel_err") is None else f"{r['rel_err']:.1e}"
     lines.append(f"| {r['op']} | {r['size'] >> 20} MiB | {r['algorithm']} | "
@@ -167,7 +166,6 @@ def main(argv=None) -> int:
   rate_bps = rate_bits(args.rate)
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import jaxcoll
-  from jaxcoll._src.wire import WIRE_PRIMITIVES
   from jaxcoll.launch import launch
 
   signal.signal(signal.SIGTERM, _interrupt)   # so the namespaces are deleted on kill too
@@ -192,7 +190,7 @@ def main(argv=None) -> int:
         bench += ["--pieces", args.pieces]
       if args.calibrate:
         bench += ["--calibrate", args.calibrate]
-      if args.wire and op in WIRE_PRIMITIVES:
+      if args.wire and jaxcoll.tools.spec(op).wire:
         bench += ["--wire", args.wire, "--check"]
       code = launch(bench, **ranks)
       if code:

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+import jaxcoll
 from jaxcoll import kernels
-from jaxcoll._src import wire
 
 LOOP = 10
 
@@ -42,11 +42,11 @@ def check() -> None:
         want = kernels.fused_combine_reference(a, b, op=op)
         assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)), (
             dtype, n, op)
-  fmt = wire.WireFormat("int8")
+  fmt = jaxcoll.WireFormat("int8")
   acc = jnp.asarray(rng.standard_normal((64, 4096)), jnp.float32)
-  values, exps = wire.encode(fmt, jnp.asarray(rng.standard_normal((64, 4096)), jnp.float32))
+  values, exps = kernels.encode(fmt, jnp.asarray(rng.standard_normal((64, 4096)), jnp.float32))
   got = kernels.fused_combine(acc, values, recv_exponents=exps, interpret=False)
-  assert np.array_equal(np.asarray(got), np.asarray(acc + wire.decode(fmt, values, exps)))
+  assert np.array_equal(np.asarray(got), np.asarray(acc + kernels.decode(fmt, values, exps)))
   key = jax.random.key(0)
   got = kernels.fused_combine(acc, acc, out_dtype=jnp.bfloat16, rounding="stochastic", key=key,
                               interpret=False)

@@ -1,6 +1,6 @@
 """jaxcoll: custom collective communication for JAX, built from ppermute schedules."""
 
-from jaxcoll import distributed, fsdp, kernels, moe, optax
+from jaxcoll import distributed, fsdp, kernels, moe, optax, tools
 from jaxcoll._src.algorithms import algorithms, schedule
 from jaxcoll._src.algorithms.hierarchical import Hierarchical
 from jaxcoll._src.calibrate import calibrate
@@ -21,6 +21,7 @@ from jaxcoll._src.integrations.rewrite import use
 from jaxcoll._src.integrations.sync import sync_gradients, sync_in_backward
 from jaxcoll._src.profile import Link, NativeTimes, Profile
 from jaxcoll._src.schedule import PRIMITIVES, AxisTraffic, Schedule, Step, Transfer
+from jaxcoll._src.spec import CollectiveSpec, spec
 from jaxcoll._src.table import Table
 from jaxcoll._src.traffic import Traffic, traffic
 from jaxcoll._src.wire import WIRE_DTYPES, WireFormat
@@ -31,6 +32,7 @@ __all__ = (
     "PRIMITIVES",
     "WIRE_DTYPES",
     "AxisTraffic",
+    "CollectiveSpec",
     "Explanation",
     "Explanations",
     "Hierarchical",
@@ -62,8 +64,10 @@ __all__ = (
     "reduce_scatter",
     "schedule",
     "shift",
+    "spec",
     "sync_gradients",
     "sync_in_backward",
+    "tools",
     "traffic",
     "use",
 )

@@ -4,7 +4,7 @@
   python -m jaxcoll.launch -n 2 -- jaxcoll-bench --mesh 2x4 --axes node,local
 
 For each message size (``-b`` to ``-e``, times ``-f``) every algorithm is timed
-side by side (:func:`jaxcoll._src.timing.interleaved`: ``-w`` warm-up calls,
+side by side (:func:`jaxcoll.tools.interleaved`: ``-w`` warm-up calls,
 then ``-n`` rounds, each algorithm once per round in rotated order; medians).
 Sizes are bytes per device as in :meth:`Schedule.bytes_per_rank`: the input
 of all_reduce, reduce_scatter, broadcast, reduce and all_to_all, the output of
@@ -34,38 +34,23 @@ import io
 import json
 import math
 import os
-import re
 import statistics
 import sys
 from collections.abc import Callable, Sequence
 
 import tqdm
 
-BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-}
-OPS = tuple(BUS_FACTOR)
-UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+from jaxcoll import tools
+from jaxcoll.tools import NATIVE, format_size, parse_size
+
+OPS = tools.primitives(timed=True)   # the collectives with a bus factor
+BUS_FACTOR = {op: tools.spec(op).bus_factor for op in OPS}
 # nccl-tests' -d names (and numpy's): "float" is float32 there, float64 in numpy
 DTYPES = {"int8": "int8", "char": "int8", "uint8": "uint8", "int32": "int32", "int": "int32",
           "uint32": "uint32", "int64": "int64", "uint64": "uint64", "half": "float16",
           "float16": "float16", "fp16": "float16", "float": "float32", "float32": "float32",
           "fp32": "float32", "double": "float64", "float64": "float64", "fp64": "float64",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
-
-
-def parse_size(text: str) -> int:
-  """``8``, ``64K``, ``16M``, ``1G`` (powers of 1024, as nccl-tests reads them)."""
-  m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, re.IGNORECASE)
-  if not m:
-    raise argparse.ArgumentTypeError(f"size {text!r}: expected a number of bytes such as 8, "
-                                     "64K, 16M or 1G")
-  return int(m.group(1)) * UNITS[m.group(2).upper()]
 
 
 def parse_dtype(name) -> object:
@@ -81,14 +66,6 @@ def parse_dtype(name) -> object:
     raise ValueError(f"-d/--dtype {name!r} is a 64-bit type; JAX computes it as 32-bit unless "
                      "x64 is on (JAX_ENABLE_X64=1), which would halve the bytes timed")
   return dt
-
-
-def size_label(b: float) -> str:
-  """nccl-tests' human sizes: 8, 4K, 1M, 2G."""
-  for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-    if b >= size and b % size == 0:
-      return f"{int(b // size)}{unit}"
-  return f"{int(b)}"
 
 
 def size_sweep(begin: int, end: int, factor: float, step: int = 0) -> list[int]:
@@ -141,7 +118,8 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
     iters: timed rounds (each algorithm once per round); medians.
     warmup: untimed calls of each algorithm first.
     check: count the elements that differ from the native collective's result.
-    profile: a :class:`jaxcoll.Profile` (or preset name): auto prices with it, and
+    profile: a :class:`jaxcoll.Profile` (or preset name, or profile JSON path:
+      :meth:`jaxcoll.Profile.resolve`): auto prices with it, and
       every row gets its predicted time.
     min_seconds: more rounds per size until they have taken this long.
     progress: a progress bar on stderr (process 0, tqdm).
@@ -157,10 +135,6 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
   from jax.sharding import PartitionSpec as P
 
   import jaxcoll
-  from jaxcoll._src import dispatch, timing
-  from jaxcoll._src.collectives import flat_call
-  from jaxcoll._src.profile import PRESET_NAMES
-  from jaxcoll._src.wire import WIRE_PRIMITIVES
 
   if op not in OPS:
     raise ValueError(f"op={op!r}: expected one of {OPS}")
@@ -171,27 +145,26 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
       raise ValueError(f"axes: {a!r} is not an axis of the mesh {mesh.axis_names}")
   axis_sizes = tuple(dict(mesh.shape)[a] for a in axes)
   n = math.prod(axis_sizes)
-  if isinstance(profile, str):
-    profile = (jaxcoll.Profile.preset(profile) if profile in PRESET_NAMES
-               else jaxcoll.Profile.load(profile))
+  if profile is not None:
+    profile = jaxcoll.Profile.resolve(profile, "--profile / run(profile=...)")
   valid = jaxcoll.algorithms(op, num_axes=len(axes))
   if algorithms == "all" or algorithms == ["all"]:
     algorithms = [*valid, "auto"]
   for a in algorithms:
-    if isinstance(a, jaxcoll.Hierarchical):
-      if "hierarchical" not in valid:
+    if not isinstance(a, str):   # an algorithm value: jaxcoll.Hierarchical(...)
+      if a.name not in valid:
         raise ValueError(f"{a} does not run {op} over {len(axes)} axis(es)")
     elif a != "auto" and a not in valid:
       raise ValueError(f"--algorithm {a!r} does not run {op} over {len(axes)} axis(es); "
                        f"expected 'auto', 'all' or some of {valid}")
-  if wire and op not in WIRE_PRIMITIVES:
-    raise ValueError(f"--wire compresses {', '.join(WIRE_PRIMITIVES)}, not {op}")
+  if wire and not tools.spec(op).wire:
+    raise ValueError(f"--wire compresses {', '.join(tools.primitives(wire=True))}, not {op}")
   dt = parse_dtype(dtype)
   spec = P(mesh.axis_names)
   sharding = NamedSharding(mesh, spec)
   devices = mesh.devices.size
   axis_arg = axes if len(axes) > 1 else axes[0]
-  prof = dispatch.profile_in_use(profile)
+  prof = tools.profile_in_use(profile)
   bar = tqdm.tqdm(total=len(sizes), desc=op, file=sys.stderr, leave=False,
                   disable=not (progress and jax.process_index() == 0))
 
@@ -200,37 +173,37 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
     for size in sizes:
       unit = n * dt.itemsize
       nbytes = max(unit, size // unit * unit)
-      count = nbytes // dt.itemsize // (n if op == "all_gather" else 1)
+      count = int(tools.spec(op).input_bytes(nbytes, n)) // dt.itemsize   # all_gather: M / n
       if wire:   # compression errs on every value; small integers would hide that
         host = np.random.default_rng(size).standard_normal((devices, count)).astype(dt)
       else:   # small integers, different on every device: every algorithm's result is exact
         host = (np.arange(devices * count).reshape(devices, count) % 7
                 + np.arange(devices)[:, None] % 3).astype(dt)
       x = jax.device_put(host, sharding)
-      candidates = dispatch.candidates(op, axes, axis_sizes, nbytes, prof)
+      candidates = tools.candidates(op, axes, axis_sizes, nbytes, prof)
       keys, labels, runs = [], [], {}   # what each row runs: (candidate label, wire)
       for a in algorithms:
         key = label = a
-        if a == "auto":
-          key = dispatch.auto_label(op, axes, axis_sizes, nbytes, prof, weighed=candidates)
-          label = f"auto -> {key}"
-        elif a == "hierarchical":
-          key = jaxcoll.Hierarchical().label(op, len(axes))
-        elif isinstance(a, jaxcoll.Hierarchical):
+        if not isinstance(a, str):   # an algorithm value
           key = label = a.label(op, len(axes))
-        for w in (None, *(wire if a not in ("auto", "native") else ())):
+        elif a == "auto":
+          key = tools.auto_label(op, axes, axis_sizes, nbytes, prof, weighed=candidates)
+          label = f"auto -> {key}"
+        elif a != NATIVE:   # its default variant, as auto names it: hierarchical(ring,ring)
+          key = tools.label(op, a, len(axes))
+        for w in (None, *(wire if a not in ("auto", NATIVE) else ())):
           keys.append((key, w))
           labels.append(label if w is None else f"{label} [{w}]")
           runs.setdefault((key, w), a)   # auto's pick is the same program as that algorithm's
       fns = {k: jax.jit(jax.shard_map(
-          lambda v, a=a, w=k[1]: flat_call(op, v[0], axis_arg, a, wire_dtype=w)[None],
+          lambda v, a=a, w=k[1]: tools.flat_call(op, v[0], axis_arg, a, wire_dtype=w)[None],
           mesh=mesh, in_specs=spec, out_specs=spec)) for k, a in runs.items()}
-      times = dict(zip(fns, timing.interleaved(
+      times = dict(zip(fns, tools.interleaved(
           [lambda f=f, x=x: f(x).block_until_ready() for f in fns.values()],
           reps=iters, warmup=warmup, min_seconds=min_seconds)))
       wrong, errors = dict.fromkeys(fns), dict.fromkeys(fns)
       if check:
-        native = jax.jit(jax.shard_map(lambda v: flat_call(op, v[0], axis_arg, "native")[None],
+        native = jax.jit(jax.shard_map(lambda v: tools.flat_call(op, v[0], axis_arg, NATIVE)[None],
                                        mesh=mesh, in_specs=spec, out_specs=spec))
         want = _local(native(x))
         for k, f in fns.items():
@@ -245,7 +218,7 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
         algbw = nbytes / med / 1e9
         predicted = weighed.get(key[0]) if profile is not None and key[1] is None else None
         measured.append(Row(op, nbytes, int(count), dt.name, label, med * 1e6, algbw,
-                            algbw * BUS_FACTOR[op](n), wrong[key],
+                            algbw * tools.spec(op).bus_factor(n), wrong[key],
                             None if predicted is None else predicted * 1e6, len(times[key]),
                             errors[key]))
       rows += measured
@@ -316,7 +289,7 @@ def header_lines(title: str) -> list[str]:
 def row_lines(rows: Sequence[Row]) -> list[str]:
   """One size's rows, as measured (the columns of :func:`header_lines`); "vs native": time
   over the native row's of the same op and size."""
-  native = {(r.op, r.size): r.time_us for r in rows if r.algorithm == "native"}
+  native = {(r.op, r.size): r.time_us for r in rows if r.algorithm == NATIVE}
   out = []
   for r in rows:
     ratio = native.get((r.op, r.size))
@@ -365,13 +338,13 @@ def plot(rows: Sequence[Row], path: str, title: str = "") -> None:
     for algo in dict.fromkeys(r.algorithm.split(" -> ")[0] for r in rows if r.op == op):
       mine = [r for r in rows if r.op == op and r.algorithm.split(" -> ")[0] == algo]
       label = algo if len(ops) == 1 else f"{op} {algo}"
-      style = (dict(color="black", linewidth=2.5, zorder=5) if algo == "native" else
+      style = (dict(color="black", linewidth=2.5, zorder=5) if algo == NATIVE else
                dict(linestyle="--") if algo == "auto" else {})
       ax.plot([r.size for r in mine], [max(r.busbw_gbs, 1e-9) for r in mine], marker="o",
               markersize=3, label=label, **style)
   ax.set_xscale("log", base=2)
   ax.set_yscale("log")
-  ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: size_label(v)))
+  ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: format_size(v, compact=True)))
   ax.set_xlabel("message size per device")
   ax.set_ylabel("busbw (GB/s)")
   ax.set_title(title, fontsize=9)

@@ -11,7 +11,8 @@ side cannot reach). It also makes an uncaught exception end the process at once,
 after printing its traceback: a normal exit would first wait in
 ``jax.distributed``'s shutdown barrier for peers that are themselves waiting in a
 collective for this process, so the launcher would see the failure only when a
-timeout fires (30 s of heartbeats here). Then every process publishes its host
+timeout fires (``jax.distributed``'s heartbeats; measured:
+docs/measurements.md#multi-process-cpu-jobs). Then every process publishes its host
 (:mod:`jaxcoll._src.topology`) and reads every other's, once. Otherwise it
 defers to ``jax.distributed.initialize()``, whose own cluster detection covers
 SLURM, Open MPI, Kubernetes and cloud TPU jobs unchanged.

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import importlib
+import inspect
 import pathlib
 
 import pytest
@@ -71,3 +73,121 @@ def reachable(name: str) -> set[str]:
 def test_pricing_and_schedules_never_import_the_runtime(module):
   """Schedules, their plan and their price are NumPy: no executor, no collectives."""
   assert not reachable(module) & {"jaxcoll._src.executor", "jaxcoll._src.collectives"}
+
+
+REPO = ROOT.parent
+OUTSIDE = [*sorted((REPO / "benchmarks").glob("*.py")), *sorted((REPO / "examples").glob("*.py")),
+           ROOT / "bench.py"]
+
+
+def private_imports(path: pathlib.Path) -> set[str]:
+  """What ``path`` imports from ``jaxcoll._src`` (relative imports resolved from its package)."""
+  package = path.relative_to(REPO).parent.parts
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      names = {a.name for a in node.names}
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        base = ".".join([*package[:len(package) - node.level + 1], *([base] if base else [])])
+      names = {base} | {f"{base}.{a.name}" for a in node.names}
+    else:
+      continue
+    out |= {n for n in names if n == "jaxcoll._src" or n.startswith("jaxcoll._src.")}
+  return out
+
+
+def test_the_reader_sees_the_tools_and_private_imports():
+  names = {p.relative_to(REPO).as_posix() for p in OUTSIDE}
+  assert {"jaxcoll/bench.py", "benchmarks/bench_dispatch.py", "examples/quickstart.py"} <= names
+  assert private_imports(ROOT / "_src" / "explain.py") >= {"jaxcoll._src.dispatch"}
+
+
+@pytest.mark.parametrize("path", OUTSIDE, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_benchmarks_examples_and_the_bench_use_only_the_public_api(path):
+  """They import ``jaxcoll`` and its namespaces (``jaxcoll.tools`` for what benchmarks need),
+  never ``jaxcoll._src``: what they do, a user can."""
+  assert not private_imports(path), f"{path.name} imports {sorted(private_imports(path))}"
+
+
+def _algorithm_names() -> set[str]:
+  import jaxcoll
+  from jaxcoll._src.algorithms import entries
+  return {a.name for p in jaxcoll.PRIMITIVES for a in entries(p)}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+  """ids of the string constants that are docstrings."""
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+      body = node.body
+      if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        out.add(id(body[0].value))
+  return out
+
+
+def algorithm_literals(path: pathlib.Path, names: set[str]) -> list[tuple[int, str]]:
+  """(line, text) of every string literal in ``path`` that names an algorithm (docstrings
+  aside)."""
+  tree = ast.parse(path.read_text())
+  skip = _docstrings(tree)
+  return [(node.lineno, node.value) for node in ast.walk(tree)
+          if isinstance(node, ast.Constant) and isinstance(node.value, str)
+          and node.value in names and id(node) not in skip]
+
+
+def test_the_reader_sees_algorithm_literals():
+  names = _algorithm_names()
+  assert {"ring", "hierarchical", "direct"} <= names
+  assert algorithm_literals(ROOT / "_src" / "algorithms" / "ring.py", names)
+
+
+NAMING = sorted(p for p in ROOT.rglob("*.py") if "algorithms" not in p.relative_to(ROOT).parts)
+
+
+@pytest.mark.parametrize("path", NAMING, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_no_algorithm_is_named_outside_algorithms(path):
+  """Only ``jaxcoll/_src/algorithms/`` names algorithms: everything else reads the registry's
+  metadata (stages, native equivalents, what calibrate fits, options auto tries)."""
+  assert not algorithm_literals(path, _algorithm_names())
+
+
+INTEGRATIONS = sorted((ROOT / "_src" / "integrations").glob("*.py"))
+VERSION_MODULE = "jaxcoll._src.compat"   # reads jax internals, not jaxcoll's
+
+
+def internal_names(path: pathlib.Path) -> list[str]:
+  """What an integration takes from jaxcoll that the public API (``jaxcoll``,
+  ``jaxcoll.tools``) does not offer: whole private modules, or names no public namespace
+  exports."""
+  import jaxcoll
+  import jaxcoll.tools
+  public = {id(getattr(ns, n)) for ns in (jaxcoll, jaxcoll.tools) for n in ns.__all__}
+  out = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("jaxcoll"):
+      continue
+    if node.module.startswith(("jaxcoll._src.integrations", "jaxcoll.tools")):
+      continue
+    module = importlib.import_module(node.module)
+    for a in node.names:
+      value = getattr(module, a.name)
+      if inspect.ismodule(value):
+        if value.__name__ not in (VERSION_MODULE, "jaxcoll._src.integrations"):
+          out.append(value.__name__)
+      elif id(value) not in public:
+        out.append(f"{node.module}.{a.name}")
+  return out
+
+
+def test_the_reader_sees_internal_names():
+  assert internal_names(ROOT / "_src" / "explain.py")   # explain reads dispatch, cost, ...
+
+
+@pytest.mark.parametrize("path", INTEGRATIONS, ids=lambda p: p.name)
+def test_integrations_use_only_the_public_api(path):
+  """Training and MoE are built on what a user can import: the collectives, explain,
+  config and the building blocks in ``jaxcoll.tools``."""
+  assert not internal_names(path)

@@ -25,6 +25,12 @@ def test_sizes_parse_like_nccl_tests():
   assert bench.size_sweep(1024, 4096, 0, step=1024) == [1024, 2048, 3072, 4096]
   with pytest.raises(Exception, match="size '12Q'"):
     bench.parse_size("12Q")
+  sizes = (8, 4096, 1 << 20, 3 << 30, 1000)
+  compact = [jaxcoll.tools.format_size(v, compact=True) for v in sizes]   # the plot's axis
+  assert compact == ["8", "4K", "1M", "3G", "1000"]
+  assert [bench.parse_size(c) for c in compact] == list(sizes)
+  assert [jaxcoll.tools.format_size(v) for v in (100, 1536, 3 << 30)] == \
+      ["100 B", "1.5 KiB", "3 GiB"]
   with pytest.raises(ValueError, match="-f 1"):
     bench.size_sweep(8, 64, 1)
 
@@ -157,8 +163,6 @@ def test_plot_is_log_log_with_human_sizes(tmp_path):
   path = tmp_path / "p.png"
   bench.plot(rows, str(path), title="all_reduce float32, mesh {'x': 8}")
   assert path.stat().st_size > 10_000
-  assert [bench.size_label(v) for v in (8, 4096, 1 << 20, 3 << 30, 1000)] == \
-      ["8", "4K", "1M", "3G", "1000"]
 
 
 ENV = {**os.environ, "PYTHONWARNINGS": "error::RuntimeWarning"}

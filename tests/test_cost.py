@@ -128,9 +128,24 @@ def test_beta_term_is_at_least_the_bytes_and_equal_for_symmetric_schedules(primi
   got = cost.predict(sched, only_beta, (AXIS,), (n,), 1e6)
   total = sched.bytes_per_rank(1e6)
   assert got >= total - 1e-6
-  if algorithm in ("ring", "bidirectional_ring", "recursive_doubling", "direct", "bruck",
-                   "halving_doubling"):
+  if all(len(set(_sent_per_rank(step, n))) == 1 for step in sched.steps):
     assert got == pytest.approx(total)
+
+
+def _sent_per_rank(step, n):
+  sent = np.zeros(n, int)
+  for t in step.transfers:
+    np.add.at(sent, t.src, t.send_chunks.shape[1])
+  return sent.tolist()
+
+
+def test_symmetric_schedules_are_found():
+  """The rings, recursive doubling, pairwise and Bruck send alike from every rank each step."""
+  for primitive, algorithm in (("all_reduce", "ring"), ("all_to_all", "bruck")):
+    sched = jaxcoll.schedule(primitive, algorithm, 8)
+    assert all(len(set(_sent_per_rank(step, 8))) == 1 for step in sched.steps)
+  tree = jaxcoll.schedule("all_reduce", "binomial_tree", 8)
+  assert not all(len(set(_sent_per_rank(step, 8))) == 1 for step in tree.steps)
 
 
 def test_each_step_is_priced_by_the_axis_its_partners_differ_in():
@@ -298,6 +313,31 @@ def test_profile_errors_and_json_round_trip(tmp_path):
     prof.save(tmp_path / f"{name}.json")
     assert Profile.load(tmp_path / f"{name}.json") == prof
     assert hash(prof) == hash(Profile.load(tmp_path / f"{name}.json"))
+
+
+def test_profile_resolve_reads_a_name_a_file_or_an_object(tmp_path):
+  """One resolver for every profile argument: a preset name, a saved JSON (str or path),
+  a Profile as it is; anything else names the argument and the accepted forms."""
+  assert Profile.resolve("dcn") == Profile.preset("dcn")
+  saved = dataclasses.replace(Profile.preset("h100-nvlink"), name="mine", basis="given")
+  saved.save(tmp_path / "mine.json")
+  assert Profile.resolve(tmp_path / "mine.json") == saved
+  assert Profile.resolve(str(tmp_path / "mine.json")) == saved
+  assert Profile.resolve(saved) is saved
+  with pytest.raises(ValueError, match=r"config\(profile=\.\.\.\): no preset 'nvlink9'.*"
+                                       r"jaxcoll\.Profile.*preset name.*dcn.*path"):
+    Profile.resolve("nvlink9", "config(profile=...)")
+  with pytest.raises(ValueError, match=r"^profile: got 3; expected a jaxcoll\.Profile"):
+    Profile.resolve(3)
+  (tmp_path / "bad.json").write_text("[1, 2]")
+  with pytest.raises(ValueError, match="bad.json' is not a profile JSON"):
+    Profile.resolve(tmp_path / "bad.json")
+  # every caller goes through it: config, explain (profile_in_use), use
+  with jaxcoll.config(profile=str(tmp_path / "mine.json")):
+    assert dispatch.profile_in_use() == saved
+  assert dispatch.profile_in_use(tmp_path / "mine.json") == saved
+  with pytest.raises(ValueError, match=r"use\(profile=\.\.\.\): no preset 'nvlink9'"):
+    jaxcoll.use(lambda v: v, profile="nvlink9")
 
 
 def test_explain_lists_every_algorithm_and_marks_the_choice():

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxcoll
+from jaxcoll._src.algorithms import entry
 from jaxcoll._src.algorithms.trees import double_binary_trees
 from jaxcoll._src.schedule import Messages, Step, Transfer
 
@@ -156,7 +157,10 @@ def double_binary_tree_formula(n, pipeline):
 @pytest.mark.parametrize("n", list(range(1, 17)) + [31, 32, 33, 100])
 def test_steps_and_bytes_equal_formula(primitive, algorithm, n):
   sched = jaxcoll.schedule(primitive, algorithm, n)
-  if algorithm == "double_binary_tree":
+  declared = entry(primitive, algorithm).formula
+  if declared is not None:   # the algorithm states its own formula (new algorithms do)
+    steps, frac = declared(n)
+  elif algorithm == "double_binary_tree":
     steps, frac = double_binary_tree_formula(n, 4)
   elif (primitive, algorithm) == ("all_gather", "recursive_doubling") and n != pow2_floor(n):
     steps, frac = all_gather_rd_bytes(n)

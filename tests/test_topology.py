@@ -123,7 +123,7 @@ def test_lax_times_price_only_the_span_they_were_measured_on():
   modeled = cost.predict_native("all_reduce", only_inside, ("x",), (8,), 1e3, topology=two)
   assert modeled == pytest.approx(min(
       cost.predict(jaxcoll.schedule("all_reduce", a, 8), only_inside, ("x",), (8,), 1e3,
-                   topology=two) for a in cost.NATIVE_EQUIVALENT["all_reduce"]))
+                   topology=two) for a in cost.native_equivalents("all_reduce")))
 
 
 def test_the_cpu_preset_holds_figures_measured_in_one_process_and_across_two():

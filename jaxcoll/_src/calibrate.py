@@ -17,9 +17,9 @@ to whole schedules, not to one lone ppermute or one lone combine, folds in what
 a step really costs in this runtime (its loop, its slices, the transport: in a
 multi-process CPU job every pair goes through gloo). (A separately timed
 combine ``v * 0.999 + v`` is no measure of gamma: its output is a fresh buffer,
-and page faults made its slope 1.4 ns/B on the CPU testbed, where the joint fit
-gives 0.15.) Every jax.lax collective jaxcoll calls "native" is timed at every
-size too, over the whole tuple of axes and over each axis alone, recorded with
+and page faults put its slope far above the joint fit's gamma (measured:
+docs/measurements.md#cost-model).) Every jax.lax collective jaxcoll calls "native" is
+timed at every size too, over the whole tuple of axes and over each axis alone, recorded with
 the class of the slowest link it spans (and so are the schedules timed for the
 fit: measured beats modeled, :func:`cost.schedule_times`) (times in one process do not price a
 collective across processes). :func:`measure` and :func:`fit` are the two
@@ -50,17 +50,20 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src import compat, cost, timing, topology
-from jaxcoll._src.algorithms import HIERARCHICAL, schedule
+from jaxcoll._src.algorithms import Algorithm, call_options, entries, schedule
 from jaxcoll._src.collectives import flat_call
 from jaxcoll._src.profile import ANY_AXIS, FRESH_THRESHOLD, Link, NativeTimes, Profile
+from jaxcoll._src.spec import PRIMITIVES, primitives
 from jaxcoll._src.topology import CLASSES
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
-NATIVE_PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
-                     "reduce")
-FIT_ALGORITHMS = (("all_reduce", "ring"), ("all_reduce", "recursive_doubling"),
-                  ("all_reduce", "halving_doubling"), ("all_reduce", "binomial_tree"),
-                  ("all_gather", "ring"), ("all_to_all", "direct"), ("all_to_all", "bruck"))
+NATIVE_PRIMITIVES = primitives(timed=True)
+
+
+def fit_algorithms(num_axes: int) -> tuple[Algorithm, ...]:
+  """The schedules calibrate times and fits to over ``num_axes`` axes: those registered
+  ``fit=True`` that run on them."""
+  return tuple(a for p in PRIMITIVES for a in entries(p, num_axes=num_axes, fit=True))
 
 
 def _fit(rows: Sequence[Sequence[float]], times: Sequence[float],
@@ -177,7 +180,7 @@ def measure(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DEFA
   sharding = NamedSharding(mesh, spec)
   _input_for = lambda primitive, s: s // devices if primitive == "all_gather" else s
   groups = [axes] + ([(a,) for a in axes] if len(axes) > 1 else [])
-  fit_algorithms = FIT_ALGORITHMS + ((("all_reduce", HIERARCHICAL),) if len(axes) > 1 else ())
+  fitted = fit_algorithms(len(axes))
 
   def program(body):
     return jax.jit(jax.shard_map(lambda v: body(v[0])[None], mesh=mesh, in_specs=spec,
@@ -185,9 +188,9 @@ def measure(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DEFA
 
   axis_arg = axes if len(axes) > 1 else axes[0]
   programs = []   # (primitive, fn), in the order ``measured`` is read back below
-  for primitive, algo in fit_algorithms:
-    programs.append((primitive, program(
-        lambda v, p=primitive, a=algo: flat_call(p, v, axis_arg, a))))
+  for algo in fitted:
+    programs.append((algo.primitive, program(
+        lambda v, p=algo.primitive, a=algo.name: flat_call(p, v, axis_arg, a))))
   for group in groups:
     for primitive in primitives:
       programs.append((primitive, program(
@@ -215,17 +218,16 @@ def measure(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DEFA
   topo = {g: topology.of_devices(mesh.devices, mesh.axis_names, g) for g in groups}
   whole = topo[axes]
   rows = []
-  for primitive, algo in fit_algorithms:
-    options = {"axis_sizes": axis_sizes} if algo == HIERARCHICAL else {}
-    sched = schedule(primitive, algo, n, **options)
+  for algo in fitted:
+    sched = schedule(algo.primitive, algo.name, n,
+                     **call_options(algo.primitive, algo.name, axis_sizes))
     rows += [tuple(cost.features(sched, axis_sizes, s, FRESH_THRESHOLD, whole)) for s in sizes]
-  native_rows = iter(measured[len(fit_algorithms):])
+  native_rows = iter(measured[len(fitted):])
   native = [NativeTimes(primitive, tuple(shape[a] for a in group), sizes,
                         tuple(float(t) for t in next(native_rows)), topo[group].span)
             for group in groups for primitive in primitives]
-  native += [NativeTimes(primitive, axis_sizes, sizes, tuple(map(float, times)), whole.span,
-                         algo)
-             for (primitive, algo), times in zip(fit_algorithms, measured)
-             if algo != HIERARCHICAL]
-  return Measurements(tuple(rows), tuple(measured[:len(fit_algorithms)].reshape(-1).tolist()),
+  native += [NativeTimes(algo.primitive, axis_sizes, sizes, tuple(map(float, times)),
+                         whole.span, algo.name)
+             for algo, times in zip(fitted, measured) if algo.num_axes == 1]
+  return Measurements(tuple(rows), tuple(measured[:len(fitted)].reshape(-1).tolist()),
                       tuple(native), whole.used, mesh.devices.flat[0].platform)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from jax import lax
 from jaxcoll._src import axes as axes_lib
 from jaxcoll._src import config as config_lib
 from jaxcoll._src import dispatch, layout, ops
+from jaxcoll._src import spec as spec_lib
 from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.algorithms import NATIVE, schedule
 from jaxcoll._src.executor import execute, ppermute
@@ -68,7 +70,7 @@ def _resolve(primitive, algorithm, axes, x, nbytes=None, accumulate=None, wire=N
   the rest of the leaf's trace runs under ``jax.named_scope("jaxcoll.<primitive>.<algo>")``
   (:func:`_map_leaves` holds the scope)."""
   nbytes = x.nbytes if nbytes is None else nbytes
-  scale = 1.0 if accumulate is None else np.dtype(accumulate).itemsize / x.dtype.itemsize
+  scale = ops.partial_sum_scale(x.dtype, accumulate)
   sizes = axes_lib.sizes(axes)
   compressed = wire is not None and np.prod(sizes) > 1
   call = f"{x.dtype.name}[{','.join(map(str, x.shape))}]" + (f" wire {wire.name}" if compressed
@@ -123,13 +125,7 @@ def _run(primitive, algorithm, n, flat, axes, *, op="sum", root=0, accumulate=No
   work = flat if accumulate is None else flat.astype(accumulate)
   multiple = 1 if wire is None else wire.row_multiple(layout.row_length(sched, work.shape[0]))
   rows = make_varying(layout.to_rows(jnp, work, sched, multiple=multiple), axes)
-  b, rank = sched.blocks_per_rank, lax.axis_index(axes)
-  if primitive == "all_gather":
-    piece = layout.block(jnp, work, sched, rows.shape[1])
-    rows = lax.dynamic_update_slice_in_dim(rows, piece, rank * b, axis=0)
-  if primitive == "all_to_all":
-    own = lax.dynamic_slice_in_dim(rows, rank * b, b, axis=0)
-    rows = lax.dynamic_update_slice_in_dim(rows, own, layout.output_start(sched) + rank * b, 0)
+  rows = layout.place_own(jnp, rows, work, sched, lax.axis_index(axes))
   fused = config_lib.use_fused_kernel(rows.shape[1] * rows.dtype.itemsize, rows.dtype)
   rows = execute(sched, rows, axes, op=op, wire=wire, fused=fused,
                  copy_dtype=None if accumulate is None else flat.dtype)
@@ -148,6 +144,45 @@ def _map_leaves(fn, x):
       finally:
         _scopes.reset(token)
   return jax.tree.unflatten(tree, out)
+
+
+def _collective(primitive: str, x, axis_name, algorithm, *, native, finish, op=None,
+                check=None, move=None, root: int = 0, options=None, accumulate_dtype=None,
+                wire_dtype=None, wire_block_size: int = wire_lib.DEFAULT_BLOCK_SIZE):
+  """The one core every public collective runs: per leaf of ``x``, the argument checks,
+  the algorithm (:func:`_resolve`), then ``native(leaf)`` (the lax collective) or the
+  schedule on the leaf's flat buffer, compressed straight-through when ``wire_dtype`` says.
+
+  ``check(leaf)`` raises on bad arguments; ``move(leaf)`` is the array whose flat buffer the
+  schedule runs on (default the leaf); ``finish(rows, schedule, leaf, moved)`` makes the
+  result from the final rows. M, the message size auto prices, follows the spec
+  (:meth:`CollectiveSpec.message_bytes`).
+  """
+  facts = spec_lib.spec(primitive)
+  axes = axes_lib.normalize(axis_name)
+  n = axes_lib.size(axes)
+  move = move or (lambda v: v)
+
+  def leaf(x):
+    x = _prepare(x, op)
+    if check is not None:
+      check(x)
+    acc = _check_accumulate(accumulate_dtype, x.dtype) if facts.reduces else None
+    fmt = _wire(wire_dtype, x.dtype, wire_block_size, acc) if facts.wire else None
+    algo, chosen = _resolve(primitive, algorithm, axes, x, facts.message_bytes(x.nbytes, n),
+                            accumulate=acc, wire=fmt)
+    if algo == NATIVE:
+      return native(x)
+
+    def run(x, wire):
+      moved = move(make_varying(x, axes))
+      sched, rows = _run(primitive, algo, n, moved.reshape(-1), axes, op=op or "sum",
+                         root=root, accumulate=acc, options=chosen | (options or {}),
+                         wire=wire)
+      return finish(rows, sched, x, moved)
+    return _straight_through(run, x, fmt, linear=op in (None, "sum", "mean"))
+
+  return _map_leaves(leaf, x)
 
 
 def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
@@ -182,25 +217,18 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
 
-  def leaf(x):
-    x = _prepare(x, op)
-    acc = _check_accumulate(accumulate_dtype, x.dtype)
-    fmt = _wire(wire_dtype, x.dtype, wire_block_size, acc)
-    algo, options = _resolve("all_reduce", algorithm, axes, x, accumulate=acc, wire=fmt)
-    if algo == NATIVE:
-      if op == "prod":
-        return _replicated(jnp.prod(lax.all_gather(x, axes), axis=0, dtype=x.dtype), axes)
-      return _NATIVE_REDUCE[op](x, axes)
+  def native(x):
+    if op == "prod":
+      return _replicated(jnp.prod(lax.all_gather(x, axes), axis=0, dtype=x.dtype), axes)
+    return _NATIVE_REDUCE[op](x, axes)
 
-    def run(x, wire):
-      x = make_varying(x, axes)
-      sched, rows = _run("all_reduce", algo, n, x.reshape(-1), axes, op=op, accumulate=acc,
-                         options=options, wire=wire)
-      y = layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape).astype(x.dtype)
-      return _replicated(_finish_mean(y, op, n), axes)
-    return _straight_through(run, x, fmt, linear=op in ("sum", "mean"))
+  def finish(rows, sched, x, _):
+    y = layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape).astype(x.dtype)
+    return _replicated(_finish_mean(y, op, n), axes)
 
-  return _map_leaves(leaf, x)
+  return _collective("all_reduce", x, axis_name, algorithm, native=native, finish=finish,
+                     op=op, accumulate_dtype=accumulate_dtype, wire_dtype=wire_dtype,
+                     wire_block_size=wire_block_size)
 
 
 def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False,
@@ -216,36 +244,31 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
   """
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
+  dim = lambda x: _normalize_dim(scatter_dimension, x.ndim, "scatter_dimension")  # noqa: E731
 
-  def leaf(x):
-    x = _prepare(x, op)
-    acc = _check_accumulate(accumulate_dtype, x.dtype)
-    d = _normalize_dim(scatter_dimension, x.ndim, "scatter_dimension")
-    extent = x.shape[d]
-    _check_split(extent, n, tiled, f"scatter_dimension={scatter_dimension}: x.shape[{d}]")
-    fmt = _wire(wire_dtype, x.dtype, wire_block_size, acc)
-    algo, options = _resolve("reduce_scatter", algorithm, axes, x, accumulate=acc,
-                             wire=fmt)
-    if algo == NATIVE:
-      if op in ("sum", "mean"):
-        y = lax.psum_scatter(x, axes, scatter_dimension=d, tiled=tiled)
-        return _finish_mean(y, op, n)
-      full = all_reduce(x, axis_name, op=op, algorithm=NATIVE)
-      y = lax.dynamic_slice_in_dim(full, lax.axis_index(axes) * (extent // n), extent // n, d)
-      return y if tiled else jnp.squeeze(y, d)
+  def check(x):
+    d = dim(x)
+    _check_split(x.shape[d], n, tiled, f"scatter_dimension={scatter_dimension}: x.shape[{d}]")
 
-    def run(x, wire):
-      moved = jnp.moveaxis(make_varying(x, axes), d, 0)
-      sched, rows = _run("reduce_scatter", algo, n, moved.reshape(-1), axes, op=op,
-                         accumulate=acc, options=options, wire=wire)
-      b = sched.blocks_per_rank
-      mine = lax.dynamic_slice_in_dim(rows, lax.axis_index(axes) * b, b, axis=0)
-      y = layout.from_rows(jnp, mine, sched, moved.size).astype(x.dtype)
-      y = jnp.moveaxis(y.reshape((extent // n,) + moved.shape[1:]), 0, d)
-      return _finish_mean(y if tiled else jnp.squeeze(y, d), op, n)
-    return _straight_through(run, x, fmt, linear=op in ("sum", "mean"))
+  def native(x):
+    d, extent = dim(x), x.shape[dim(x)]
+    if op in ("sum", "mean"):
+      return _finish_mean(lax.psum_scatter(x, axes, scatter_dimension=d, tiled=tiled), op, n)
+    full = all_reduce(x, axis_name, op=op, algorithm=NATIVE)
+    y = lax.dynamic_slice_in_dim(full, lax.axis_index(axes) * (extent // n), extent // n, d)
+    return y if tiled else jnp.squeeze(y, d)
 
-  return _map_leaves(leaf, x)
+  def finish(rows, sched, x, moved):
+    b, d = sched.blocks_per_rank, dim(x)
+    mine = lax.dynamic_slice_in_dim(rows, lax.axis_index(axes) * b, b, axis=0)
+    y = layout.from_rows(jnp, mine, sched, moved.size).astype(x.dtype)
+    y = jnp.moveaxis(y.reshape((x.shape[d] // n,) + moved.shape[1:]), 0, d)
+    return _finish_mean(y if tiled else jnp.squeeze(y, d), op, n)
+
+  return _collective("reduce_scatter", x, axis_name, algorithm, native=native, finish=finish,
+                     check=check, move=lambda x: jnp.moveaxis(x, dim(x), 0), op=op,
+                     accumulate_dtype=accumulate_dtype, wire_dtype=wire_dtype,
+                     wire_block_size=wire_block_size)
 
 
 def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: str = "auto",
@@ -266,31 +289,25 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: s
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
 
-  def leaf(x):
-    x = _prepare(x, None)
+  def dim(x):
+    if tiled and x.ndim == 0:
+      raise ValueError("all_gather with tiled=True needs x with at least one dimension")
+    return _normalize_dim(axis, x.ndim if tiled else x.ndim + 1, "axis")
+
+  def native(x):
+    return lax.all_gather(x, axes, axis=dim(x), tiled=tiled,
+                          to="invarying" if to != "varying" else "varying")
+
+  def finish(rows, sched, x, _):
+    a = dim(x)
+    y = layout.from_rows(jnp, rows, sched, x.size).reshape((n,) + x.shape).astype(x.dtype)
+    y = jnp.moveaxis(y, 0, a)
     if tiled:
-      if x.ndim == 0:
-        raise ValueError("all_gather with tiled=True needs x with at least one dimension")
-      a = _normalize_dim(axis, x.ndim, "axis")
-    else:
-      a = _normalize_dim(axis, x.ndim + 1, "axis")
-    fmt = _wire(wire_dtype, x.dtype, wire_block_size, None)
-    algo, options = _resolve("all_gather", algorithm, axes, x, x.nbytes * n, wire=fmt)
-    if algo == NATIVE:
-      return lax.all_gather(x, axes, axis=a, tiled=tiled,
-                            to="invarying" if to != "varying" else "varying")
+      y = y.reshape(x.shape[:a] + (n * x.shape[a],) + x.shape[a + 1:])
+    return y if to == "varying" else _replicated(y, axes)
 
-    def run(x, wire):
-      sched, rows = _run("all_gather", algo, n, make_varying(x, axes).reshape(-1), axes,
-                         options=options, wire=wire)
-      y = layout.from_rows(jnp, rows, sched, x.size).reshape((n,) + x.shape).astype(x.dtype)
-      y = jnp.moveaxis(y, 0, a)
-      if tiled:
-        y = y.reshape(x.shape[:a] + (n * x.shape[a],) + x.shape[a + 1:])
-      return y if to == "varying" else _replicated(y, axes)
-    return _straight_through(run, x, fmt, linear=True)
-
-  return _map_leaves(leaf, x)
+  return _collective("all_gather", x, axis_name, algorithm, native=native, finish=finish,
+                     check=dim, wire_dtype=wire_dtype, wire_block_size=wire_block_size)
 
 
 def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "auto"):
@@ -300,21 +317,18 @@ def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "auto"):
   (scatter_allgather): ceil(log2 N) + N - 1 steps, 2(N-1)/N * M.
   """
   axes = axes_lib.normalize(axis_name)
-  n = axes_lib.size(axes)
-  _check_root(root, n)
+  _check_root(root, axes_lib.size(axes))
 
-  def leaf(x):
-    x = _prepare(x, None)
-    algo, options = _resolve("broadcast", algorithm, axes, x)
-    if algo == NATIVE:
-      wide = x.astype(jnp.int32) if x.dtype == bool else x
-      mine = jnp.where(lax.axis_index(axes) == root, wide, jnp.zeros_like(wide))
-      return lax.psum(mine, axes).astype(x.dtype)
-    sched, rows = _run("broadcast", algo, n, make_varying(x, axes).reshape(-1), axes, root=root,
-                       options=options)
+  def native(x):
+    wide = x.astype(jnp.int32) if x.dtype == bool else x
+    mine = jnp.where(lax.axis_index(axes) == root, wide, jnp.zeros_like(wide))
+    return lax.psum(mine, axes).astype(x.dtype)
+
+  def finish(rows, sched, x, _):
     return _replicated(layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape), axes)
 
-  return _map_leaves(leaf, x)
+  return _collective("broadcast", x, axis_name, algorithm, native=native, finish=finish,
+                     root=root)
 
 
 def reduce(x, axis_name, *, root: int = 0, op: str = "sum", algorithm: str = "auto"):
@@ -326,19 +340,17 @@ def reduce(x, axis_name, *, root: int = 0, op: str = "sum", algorithm: str = "au
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
   _check_root(root, n)
+  at_root = lambda y: jnp.where(lax.axis_index(axes) == root, y, jnp.zeros_like(y))  # noqa: E731
 
-  def leaf(x):
-    x = _prepare(x, op)
-    algo, options = _resolve("reduce", algorithm, axes, x)
-    if algo == NATIVE:
-      y = make_varying(all_reduce(x, axis_name, op=op, algorithm=NATIVE), axes)
-    else:
-      sched, rows = _run("reduce", algo, n, make_varying(x, axes).reshape(-1), axes,
-                         op=op, root=root, options=options)
-      y = _finish_mean(layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape), op, n)
-    return jnp.where(lax.axis_index(axes) == root, y, jnp.zeros_like(y))
+  def native(x):
+    return at_root(make_varying(all_reduce(x, axis_name, op=op, algorithm=NATIVE), axes))
 
-  return _map_leaves(leaf, x)
+  def finish(rows, sched, x, _):
+    return at_root(_finish_mean(layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape),
+                                op, n))
+
+  return _collective("reduce", x, axis_name, algorithm, native=native, finish=finish, op=op,
+                     root=root)
 
 
 def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool = False,
@@ -359,33 +371,30 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
   """
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
+  split = lambda x: _normalize_dim(split_axis, x.ndim, "split_axis")  # noqa: E731
+  concat = lambda x: _normalize_dim(concat_axis, x.ndim, "concat_axis")  # noqa: E731
 
-  def leaf(x):
-    x = _prepare(x, None)
+  def check(x):
     if x.ndim == 0:
       raise ValueError("all_to_all needs x with at least one dimension")
-    s = _normalize_dim(split_axis, x.ndim, "split_axis")
-    c = _normalize_dim(concat_axis, x.ndim, "concat_axis")
-    extent = x.shape[s]
-    _check_split(extent, n, tiled, f"split_axis={split_axis}: x.shape[{s}]")
-    fmt = _wire(wire_dtype, x.dtype, wire_block_size, None)
-    algo, options = _resolve("all_to_all", algorithm, axes, x, wire=fmt)
-    if algo == NATIVE:
-      return lax.all_to_all(x, axes, s, c, tiled=tiled)
+    s, _ = split(x), concat(x)
+    _check_split(x.shape[s], n, tiled, f"split_axis={split_axis}: x.shape[{s}]")
 
-    def run(x, wire):
-      moved = jnp.moveaxis(make_varying(x, axes), s, 0)
-      sched, rows = _run("all_to_all", algo, n, moved.reshape(-1), axes, options=options,
-                         wire=wire)
-      y = layout.from_rows(jnp, rows, sched, moved.size).astype(x.dtype)
-      y = jnp.moveaxis(y.reshape((n, extent // n) + moved.shape[1:]), 1, s + 1)  # [source, .]
-      if not tiled:
-        return jnp.moveaxis(jnp.squeeze(y, s + 1), 0, c)
-      y = jnp.moveaxis(y, 0, c)
-      return y.reshape(y.shape[:c] + (n * y.shape[c + 1],) + y.shape[c + 2:])
-    return _straight_through(run, x, fmt, linear=True)
+  def native(x):
+    return lax.all_to_all(x, axes, split(x), concat(x), tiled=tiled)
 
-  return _map_leaves(leaf, x)
+  def finish(rows, sched, x, moved):
+    s, c = split(x), concat(x)
+    y = layout.from_rows(jnp, rows, sched, moved.size).astype(x.dtype)
+    y = jnp.moveaxis(y.reshape((n, x.shape[s] // n) + moved.shape[1:]), 1, s + 1)  # [source, .]
+    if not tiled:
+      return jnp.moveaxis(jnp.squeeze(y, s + 1), 0, c)
+    y = jnp.moveaxis(y, 0, c)
+    return y.reshape(y.shape[:c] + (n * y.shape[c + 1],) + y.shape[c + 2:])
+
+  return _collective("all_to_all", x, axis_name, algorithm, native=native, finish=finish,
+                     check=check, move=lambda x: jnp.moveaxis(x, split(x), 0),
+                     wire_dtype=wire_dtype, wire_block_size=wire_block_size)
 
 
 def shift(x, axis_name, offset: int = 1, *, wrap: bool = True, algorithm="auto"):
@@ -402,18 +411,14 @@ def shift(x, axis_name, offset: int = 1, *, wrap: bool = True, algorithm="auto")
   if not isinstance(offset, (int, np.integer)) or isinstance(offset, bool):
     raise ValueError(f"offset={offset!r} must be an int")
   options = {"offset": int(offset) % n if wrap else int(offset), "wrap": bool(wrap)}
+  perm = [(i, (i + options["offset"]) % n) for i in range(n)
+          if wrap or 0 <= i + options["offset"] < n]
 
-  def leaf(x):
-    x = make_varying(_prepare(x, None), axes)
-    algo, _ = _resolve("shift", algorithm, axes, x)
-    sched = schedule("shift", "direct", n, **options)
-    if algo == NATIVE:
-      perm = sched.steps[0].transfers[0].perm if sched.steps else ()
-      return ppermute(x, axes, perm)
-    _, rows = _run("shift", algo, n, x.reshape(-1), axes, options=options)
+  def finish(rows, sched, x, _):
     return layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape)
 
-  return _map_leaves(leaf, x)
+  return _collective("shift", x, axis_name, algorithm, finish=finish, options=options,
+                     native=lambda x: ppermute(make_varying(x, axes), axes, perm))
 
 
 def _check_split(extent: int, n: int, tiled: bool, what: str) -> None:
@@ -439,15 +444,13 @@ def flat_call(primitive: str, x, axis_name, algorithm="auto", *, root: int = 0,
   """``primitive`` on a flat per-device buffer ``x`` of M bytes (all_gather: the piece), with
   the layouts the schedules use: tiled reduce_scatter, all_gather and all_to_all along
   axis 0. What calibrate and the benchmarks time."""
-  wire = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
-  if primitive == "all_to_all":
-    return all_to_all(x, axis_name, 0, 0, tiled=True, algorithm=algorithm, **wire)
-  if primitive in ("reduce_scatter", "all_gather"):
-    fn = reduce_scatter if primitive == "reduce_scatter" else all_gather
-    return fn(x, axis_name, tiled=True, algorithm=algorithm, **wire)
-  if primitive in ("broadcast", "reduce"):
-    return (broadcast if primitive == "broadcast" else reduce)(x, axis_name, root=root,
-                                                               algorithm=algorithm)
-  if primitive == "shift":
-    return shift(x, axis_name, algorithm=algorithm)
-  return all_reduce(x, axis_name, algorithm=algorithm, **wire)
+  fn = PUBLIC[primitive]
+  params = inspect.signature(fn).parameters
+  args = (0, 0) if "split_axis" in params else ()
+  kwargs = {k: v for k, v in (("tiled", True), ("root", root), ("wire_dtype", wire_dtype))
+            if k in params and v is not None}
+  return fn(x, axis_name, *args, algorithm=algorithm, **kwargs)
+
+
+PUBLIC = {f.__name__: f for f in (all_reduce, reduce_scatter, all_gather, broadcast, reduce,
+                                  all_to_all, shift)}

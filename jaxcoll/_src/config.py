@@ -18,9 +18,8 @@ from collections.abc import Mapping
 
 from jaxcoll._src import fused_combine
 from jaxcoll._src.algorithms import check_algorithm
-from jaxcoll._src.algorithms.hierarchical import Hierarchical
 from jaxcoll._src.profile import Profile
-from jaxcoll._src.schedule import PRIMITIVES
+from jaxcoll._src.spec import PRIMITIVES
 
 ENV_ALGORITHM = "JAXCOLL_ALGORITHM"
 FUSED_MIN_BYTES = 1 << 16   # "auto": smaller chunks stay in XLA's own fusion
@@ -45,10 +44,11 @@ def current() -> Config:
 def check_choice(primitive, algorithm, where: str):
   if primitive not in PRIMITIVES:
     raise ValueError(f"{where}: {primitive!r} is not a collective; expected one of {PRIMITIVES}")
-  if not isinstance(algorithm, Hierarchical):
-    if not isinstance(algorithm, str):
-      raise ValueError(f"{where}: algorithm {algorithm!r} for {primitive} must be a name")
-    check_algorithm(primitive, algorithm, argument=f"{where}[{primitive!r}]")
+  name = algorithm if isinstance(algorithm, str) else getattr(algorithm, "name", None)
+  if not isinstance(name, str):
+    raise ValueError(f"{where}: algorithm {algorithm!r} for {primitive} must be a name or an "
+                     "algorithm value such as jaxcoll.Hierarchical")
+  check_algorithm(primitive, name, argument=f"{where}[{primitive!r}]")
 
 
 class config:  # noqa: N801 (used like a function: jaxcoll.config(...))
@@ -57,7 +57,8 @@ class config:  # noqa: N801 (used like a function: jaxcoll.config(...))
   Args:
     algorithm: ``{primitive: algorithm}`` (a name or ``Hierarchical``) that
       "auto" resolves to for that primitive.
-    profile: the :class:`Profile` (or a preset name) the cost model prices with.
+    profile: the :class:`Profile` (or a preset name, or a profile JSON's path:
+      :meth:`Profile.resolve`) the cost model prices with.
     fused_kernel: whether reduce steps run the Pallas kernel
       (:func:`jaxcoll.kernels.fused_combine`): True (interpret mode where the
       backend cannot compile it, as on CPU: slow, for tests), False (plain
@@ -88,10 +89,8 @@ class config:  # noqa: N801 (used like a function: jaxcoll.config(...))
                          "{primitive: algorithm}")
       for p, a in algorithm.items():
         check_choice(p, a, "config(algorithm=...)")
-    if isinstance(profile, str):
-      profile = Profile.preset(profile)
-    if profile is not None and not isinstance(profile, Profile):
-      raise ValueError(f"config(profile={profile!r}): expected a jaxcoll.Profile or a preset name")
+    if profile is not None:
+      profile = Profile.resolve(profile, "config(profile=...)")
     self._previous = _current
     merged = dict(_current.algorithm)
     merged.update(algorithm or {})

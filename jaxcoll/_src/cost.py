@@ -40,7 +40,8 @@ a message of M bytes, profile p:
   makes anew: every received message that large, and every buffer copy (U_s)
   when the buffer is. ``p.fresh`` prices their first touch: on
   the CPU, glibc serves allocations above its mmap threshold (32 MiB at most)
-  with fresh pages on every call, ~1.2 ns a byte of page faults measured here;
+  with fresh pages on every call, whose page faults cost time per byte (measured:
+  docs/measurements.md#cost-model);
   0 where a pooling allocator reuses device memory.
 
 Worked example (the design notes'): ring all_reduce, N = 8, M = 500 MB of
@@ -49,37 +50,26 @@ float16, alpha = 5 us, beta = 1 / 50 GB/s: 14 transfers of M/8 bytes = 70 us +
 
 "native" (the jax.lax collective) is priced from the profile's measured times
 of it when it has them (:func:`jaxcoll.calibrate` records them), else as what
-NCCL would run on the same links: the cheaper of its ring and tree for
-all_reduce, its ring for reduce_scatter and all_gather, pairwise exchange for
-all_to_all, a tree for broadcast and reduce, all over the flattened axes.
+NCCL would run on the same links (the algorithms registered ``native_like``: the cheaper
+of its ring and tree for all_reduce, its ring for reduce_scatter and all_gather, pairwise
+exchange for all_to_all, a tree for broadcast and reduce), all over the flattened axes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from jaxcoll._src import compat
-from jaxcoll._src.algorithms import HIERARCHICAL, NATIVE, algorithms, schedule
+from jaxcoll._src.algorithms import entries, schedule
 from jaxcoll._src.plan import LOOP_MIN_STEPS, plan
 from jaxcoll._src.profile import Link, Profile
 from jaxcoll._src.schedule import Schedule, crossing_axis, per_array
 from jaxcoll._src.topology import CLASSES, Topology, single_process
-
-NATIVE_EQUIVALENT = {
-    "all_reduce": ("ring", "double_binary_tree"),
-    "reduce_scatter": ("ring",),
-    "all_gather": ("ring",),
-    "all_to_all": ("direct",),
-    "broadcast": ("binomial_tree",),
-    "reduce": ("binomial_tree",),
-    "shift": ("direct",),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +226,13 @@ def predict_native(primitive: str, profile: Profile, axis_names: Sequence[str],
   n = math.prod(axis_sizes)
   return min(predict(schedule(primitive, a, n), profile, axis_names, axis_sizes, nbytes,
                      topology=topology)
-             for a in NATIVE_EQUIVALENT[primitive])
+             for a in native_equivalents(primitive))
+
+
+def native_equivalents(primitive: str) -> tuple[str, ...]:
+  """The schedules the lax collective is priced as when never measured (registered
+  ``native_like``: what NCCL runs for it); the cheapest counts."""
+  return tuple(a.name for a in entries(primitive, native_like=True))
 
 
 def schedule_times(primitive: str, profile: Profile, axis_names: Sequence[str],
@@ -262,33 +258,16 @@ def schedule_times(primitive: str, profile: Profile, axis_names: Sequence[str],
           for label, algo, options, sched, model, seconds in out]
 
 
-def stage_candidates(primitive: str, num_axes: int) -> list[tuple[str, ...]]:
-  """The per-axis algorithm choices auto considers for a hierarchical schedule."""
-  if primitive == "all_to_all":
-    per_axis = [("direct", "bruck")] * num_axes
-  else:
-    inner = ("ring", "direct", "halving_doubling")
-    top = tuple(a for a in algorithms("all_reduce", num_axes=1) if a != NATIVE) \
-        if primitive == "all_reduce" else inner
-    per_axis = [top] + [inner] * (num_axes - 1)
-  return list(itertools.product(*per_axis))
-
-
 def candidate_schedules(primitive: str, axis_sizes: Sequence[int]):
-  """(label, algorithm, schedule options, schedule) for every scheduled choice auto weighs."""
+  """(label, algorithm, schedule options, schedule) for every scheduled choice auto weighs:
+  every variant (:meth:`Algorithm.choices`) of every algorithm that runs on these axes."""
   n, shape = math.prod(axis_sizes), tuple(axis_sizes)
   out = []
-  for algo in algorithms(primitive, num_axes=len(shape)):
-    if algo == NATIVE:
-      continue
-    if algo != HIERARCHICAL:
-      out.append((algo, algo, {}, schedule(primitive, algo, n)))
-      continue
-    for per_axis in stage_candidates(primitive, len(shape)):
-      options = {"axis_sizes": shape, "per_axis": per_axis}
+  for algo in entries(primitive, num_axes=len(shape)):
+    for label, options in algo.choices(shape):
       try:
-        sched = schedule(primitive, algo, n, **options)
+        sched = schedule(primitive, algo.name, n, **options)
       except ValueError:   # e.g. halving_doubling has no reduce_scatter stage for that size
         continue
-      out.append((f"{algo}({','.join(per_axis)})", algo, options, sched))
+      out.append((label, algo.name, options, sched))
   return out

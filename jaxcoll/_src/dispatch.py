@@ -1,4 +1,8 @@
-"""Resolving ``algorithm=`` for one call: "auto", a name, or :class:`Hierarchical`.
+"""Resolving ``algorithm=`` for one call: "auto", a name, or an algorithm value.
+
+An algorithm value (``jaxcoll.Hierarchical``) has a ``name`` and ``options()``, the
+schedule options it adds; an algorithm registered over several axes also gets the axis
+sizes (:func:`~jaxcoll._src.algorithms.registry.call_options`).
 
 "auto" defers to the overrides of :mod:`jaxcoll._src.config`, then to the cost
 model: the argmin of the predicted time (:mod:`jaxcoll._src.cost`) over every
@@ -6,9 +10,9 @@ algorithm of the primitive that runs on these axes, native included, with
 hierarchical's per-axis stages chosen too. Native, the reference, is kept
 unless a schedule is predicted ``NATIVE_MARGIN`` times faster, and always under a
 profile never measured on this backend (the data-sheet presets: ``Profile.basis``): a
-pick slower than the lax collective is the one mistake auto must not make, and on the CPU
-testbed a calibrated model still predicts single schedules only within about
-30% (README, Cost model). Ties go to the order of ``algorithms()``. The choice
+pick slower than the lax collective is the one mistake auto must not make, and a
+calibrated model still predicts single schedules only approximately (measured:
+docs/measurements.md#cost-model). Ties go to the order of ``algorithms()``. The choice
 is a pure function of static information (primitive, message bytes, axis names
 and sizes, profile), so every process of a multi-process job picks the same
 algorithm.
@@ -22,11 +26,11 @@ from collections.abc import Sequence
 
 import jax
 
+from jaxcoll._src import algorithms as algorithms_lib
 from jaxcoll._src import config as config_lib
 from jaxcoll._src import cost, debug_log
 from jaxcoll._src import topology as topology_lib
-from jaxcoll._src.algorithms import HIERARCHICAL, NATIVE, check_algorithm
-from jaxcoll._src.algorithms.hierarchical import Hierarchical
+from jaxcoll._src.algorithms import NATIVE, call_options, check_algorithm
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.topology import Topology
 
@@ -47,12 +51,10 @@ class Candidate:
 
 
 def profile_in_use(profile: Profile | str | None = None) -> Profile:
-  """``profile`` (a preset's name too), else the configured one, else the preset of the
-  default backend."""
-  if isinstance(profile, str):
-    return Profile.preset(profile)
+  """``profile`` (a preset's name or a profile JSON's path too: :meth:`Profile.resolve`), else
+  the configured one, else the preset of the default backend."""
   if profile is not None:
-    return profile
+    return Profile.resolve(profile)
   if config_lib.current().profile is not None:
     return config_lib.current().profile
   return Profile.preset(DEFAULT_PRESET.get(jax.default_backend(), "cpu"))
@@ -107,10 +109,11 @@ def auto_label(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[i
   :func:`candidates` names it: an override, native on one device, else :func:`pick`.
   ``weighed``: the candidates, when already priced."""
   override = config_lib.override(primitive)
-  if override == HIERARCHICAL:
-    override = Hierarchical()
-  if isinstance(override, Hierarchical):
-    return override.label(primitive, len(axis_names))
+  if override is not None and override != NATIVE:   # checked as resolve checks it
+    name = override if isinstance(override, str) else override.name
+    call_options(primitive, name, axis_sizes)
+    return (algorithms_lib.label(primitive, name, len(axis_names)) if isinstance(override, str)
+            else override.label(primitive, len(axis_names)))
   if override is not None:
     return override
   if math.prod(axis_sizes) <= 1:
@@ -131,12 +134,12 @@ def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],
     algorithm = config_lib.override(primitive) or "auto"
     if algorithm != "auto":
       debug_log.override(primitive, call, axis_names, str(algorithm))
-  per_axis = pieces = None
-  if isinstance(algorithm, Hierarchical):
-    algorithm, per_axis, pieces = (HIERARCHICAL, tuple(algorithm.per_axis) or None,
-                                   tuple(algorithm.pieces) or None)
+  options = {}
   if not isinstance(algorithm, str):
-    raise ValueError(f"algorithm={algorithm!r}: expected a name or jaxcoll.Hierarchical")
+    if not (hasattr(algorithm, "name") and callable(getattr(algorithm, "options", None))):
+      raise ValueError(f"algorithm={algorithm!r}: expected a name or an algorithm value "
+                       "such as jaxcoll.Hierarchical")
+    algorithm, options = algorithm.name, algorithm.options()
   check_algorithm(primitive, algorithm)
   if algorithm == "auto":
     if math.prod(axis_sizes) <= 1:
@@ -151,11 +154,6 @@ def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],
                      trusted=measured_here, native_allowed=native_allowed,
                      margin=NATIVE_MARGIN)
     return chosen.algorithm, dict(chosen.options)
-  if algorithm == HIERARCHICAL:
-    if len(axis_sizes) < 2:
-      raise ValueError(f"algorithm='hierarchical' runs over a tuple of mesh axes "
-                       f"(outer, ..., inner); axis_name names one axis of size {axis_sizes[0]}")
-    options = {"axis_sizes": axis_sizes, "per_axis": per_axis}
-    return HIERARCHICAL, options | ({"stage_pieces": pieces} if pieces else {})
-  return algorithm, {}
-
+  if algorithm == NATIVE:
+    return NATIVE, {}
+  return algorithm, call_options(primitive, algorithm, axis_sizes, options)

@@ -1,14 +1,14 @@
 """The one executor: any :class:`~jaxcoll._src.schedule.Schedule` as ppermute code.
 
-This is the only module that calls ``jax.lax.ppermute`` (through :func:`ppermute`, which
-``shift``'s native algorithm calls too). It
-runs inside ``shard_map`` on one rank's buffer of rows ``[C, L]``; every rank runs the same
-code, and in a transfer that reaches some ranks only the others read some rows and write
-them back unchanged (a select, no scratch rows: a scratch row made every tree concatenate
-and slice the whole buffer; at 16 MiB on 8 CPU devices the binomial tree went from 314 to
-103 ms and the double binary tree from 219 to 108 ms without it). Chunk indices come from
-NumPy tables indexed by ``lax.axis_index`` and the step, each lookup in a jit of its own so
-that ``jax.remat`` recomputes it rather than saving the table.
+Every ``jax.lax.ppermute`` jaxcoll runs is called in this module, through :func:`ppermute`.
+The executor is not the only caller of :func:`ppermute`: :func:`jaxcoll._src.collectives.shift`
+calls it directly when its algorithm is native (``algorithm="native"``, or auto keeping
+native). The executor runs inside ``shard_map`` on one rank's buffer of rows ``[C, L]``;
+every rank runs the same code, and in a transfer that reaches some ranks only the others
+read some rows and write them back unchanged (a select, no scratch rows: a scratch row made
+every tree concatenate and slice the whole buffer; measured: docs/measurements.md#executor).
+Chunk indices come from NumPy tables indexed by ``lax.axis_index`` and the step, each lookup
+in a jit of its own so that ``jax.remat`` recomputes it rather than saving the table.
 
 Per transfer of a step: read the rows to send (``dynamic_slice`` when each
 rank's rows are contiguous, a gather otherwise), one ``ppermute``, then
@@ -21,13 +21,12 @@ the whole buffer (``tests/test_executor.py`` counts them), because of two
 - after every unrolled step. Without it XLA fuses the next step's send (a slice of the
   buffer) with a recomputation of this step's update (slice of dynamic-update-slice
   becomes one fusion reading the old buffer and the received message), which keeps the
-  old buffer alive past the in-place update, so XLA copies the whole buffer every step.
-  Measured at 16 MiB on 8 CPU devices: halving-doubling 4.8x native -> 2.3x, direct
-  all_gather 9.8x -> 2.6x, binomial tree 12.3x -> 7.6x.
+  old buffer alive past the in-place update, so XLA copies the whole buffer every step
+  (measured: docs/measurements.md#executor).
 - between the sends and the receives of a step with several transfers (bidirectional ring,
   double binary tree): every read of the step happens before any write, so no write
-  has to wait for a read of the old buffer (a copy, again). Bidirectional ring 9.9x ->
-  2.4x, double binary tree 8.4x -> 5.4x.
+  has to wait for a read of the old buffer (a copy, again; measured:
+  docs/measurements.md#executor).
 
 (A one-trip ``fori_loop`` around each unrolled step does nothing here: XLA removes loops of
 one trip before it places copies.)
@@ -38,7 +37,7 @@ over per-step tables, so a ring on N ranks compiles to two ppermutes however
 large N is. The loop matters for speed too: unrolled, XLA fuses each step's
 next send (which reads the chunk just combined) with a recomputation of that
 combine, which keeps the old buffer alive and costs a whole-buffer copy per
-step (measured on CPU: the 16 MiB ring went from ~10x native to ~3x). The loop
+step (measured: docs/measurements.md#executor). The loop
 boundary stops that fusion, so the carry is updated in place. A step whose
 permutation differs from its neighbours' (halving-doubling, recursive
 doubling) is unrolled, behind the barrier above, which does the same.
@@ -59,9 +58,8 @@ from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.fused_combine import fused_combine
 from jaxcoll._src.plan import LOOP_MIN_STEPS, Phase, TransferPlan, plan
 from jaxcoll._src.schedule import Schedule
+from jaxcoll._src.spec import spec
 from jaxcoll._src.wire import WireFormat
-
-REPLICATED = ("all_reduce", "all_gather")   # results every rank must hold bit for bit
 
 
 def ppermute(x, axes: tuple[str, ...], perm):
@@ -70,10 +68,10 @@ def ppermute(x, axes: tuple[str, ...], perm):
   same), with floats narrower than 32 bits sent as unsigned integers.
 
   XLA's CPU backend widens a bfloat16 collective-permute to float32 (the compiled HLO
-  converts before and after it), which doubles the bytes on the link: on the emulated
-  two-node cluster (gloo, 250 Mbit/s) the 32 MiB bfloat16 ring all-reduce took 4.65 s,
-  and 2.66 s sent as uint16. The bitcasts cost nothing elsewhere. Gradients see a plain
-  ppermute (custom JVP).
+  converts before and after it), which doubles the bytes on the link, so over a slow link
+  16-bit floats sent as integers take markedly less time (measured:
+  docs/measurements.md#bfloat16-over-gloo). The bitcasts cost nothing elsewhere. Gradients
+  see a plain ppermute (custom JVP).
   """
   axis_name, perm = axes_lib.ppermute_args(axes, perm)
   if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize >= 4:
@@ -199,7 +197,7 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
     else:
       for t in range(phase.num_steps):
         rows = lax.optimization_barrier(run_step(phase, rows, t))
-  if wire is not None and schedule.primitive in REPLICATED:
+  if wire is not None and spec(schedule.primitive).replicated:
     # A rank that computed or sent a final value may hold v where the others hold
     # decode(encode(v)); one more pass (a fixed point for the rest) makes them agree.
     rows = wire_lib.decode(wire, *wire_lib.encode(wire, rows)).astype(rows.dtype)

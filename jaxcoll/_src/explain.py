@@ -10,12 +10,13 @@ import jax
 import numpy as np
 
 from jaxcoll._src import config as config_lib
-from jaxcoll._src import dispatch, topology
+from jaxcoll._src import dispatch, ops, topology
 from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.algorithms import NATIVE
 from jaxcoll._src.profile import Profile
-from jaxcoll._src.schedule import PRIMITIVES
+from jaxcoll._src.spec import spec
 from jaxcoll._src.table import Table
+from jaxcoll._src.units import format_seconds, format_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,16 +57,16 @@ class Explanation:
            "profile not measured on this backend: native kept" if not self.trusted else
            f"min predicted time; native unless {dispatch.NATIVE_MARGIN:g}x slower")
     wire = f", wire {self.wire_dtype}" if self.wire_dtype else ""
-    title = (f"{self.primitive} of {fmt_bytes(self.nbytes)}{wire} over {self.axis_names} "
+    title = (f"{self.primitive} of {format_size(self.nbytes)}{wire} over {self.axis_names} "
              f"({shape}; links {self.links}), "
              f"profile {self.profile or 'custom'}: auto -> {self.chosen} ({why})")
     headers = ("algorithm", "steps", *(f"bytes over {a}" for a in self.axis_names),
                "predicted", "")
     rows = []
     for r in sorted(self.rows, key=lambda r: r.predicted_s):
-      per_axis = [fmt_bytes(r.bytes[a]) if r.bytes else "-" for a in self.axis_names]
+      per_axis = [format_size(r.bytes[a]) if r.bytes else "-" for a in self.axis_names]
       rows.append((r.algorithm, "-" if r.steps is None else r.steps, *per_axis,
-                   fmt_seconds(r.predicted_s), "<- auto" if r.chosen else ""))
+                   format_seconds(r.predicted_s), "<- auto" if r.chosen else ""))
     return Table.of(title, headers, rows)
 
   def __str__(self) -> str:
@@ -95,10 +96,10 @@ class Explanations:
   def table(self) -> Table:
     first = self.leaves[0][1] if self.leaves else None
     title = (f"{first.primitive} of {len(self.leaves)} leaves over {first.axis_names}: "
-             f"predicted {fmt_seconds(self.predicted_s)}" if first else "no leaves")
+             f"predicted {format_seconds(self.predicted_s)}" if first else "no leaves")
     native = lambda e: next(r.predicted_s for r in e.rows if r.algorithm == NATIVE)
-    rows = [(path, fmt_bytes(e.nbytes), e.chosen, fmt_seconds(e.predicted_s),
-             fmt_seconds(native(e))) for path, e in self.leaves]
+    rows = [(path, format_size(e.nbytes), e.chosen, format_seconds(e.predicted_s),
+             format_seconds(native(e))) for path, e in self.leaves]
     return Table.of(title, ("leaf", "M", "auto", "predicted", "native"), rows)
 
   def __str__(self) -> str:
@@ -123,8 +124,8 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
       auto finds them at trace time: from the mesh given to ``jaxcoll.config(mesh=...)``,
       else from this job's processes in the standard device order.
     axis_name: a mesh axis or a tuple of them.
-    profile: the profile (or a preset's name) to price with (default: the one "auto"
-      uses).
+    profile: the profile (or a preset's name, or a profile JSON's path:
+      :meth:`Profile.resolve`) to price with (default: the one "auto" uses).
     accumulate_dtype: as the collective's argument (float32 partial sums).
     wire_dtype: as the collective's argument: every schedule is priced on the compressed
       bytes (``WireFormat.ratio``), and native, which cannot compress, is listed but never
@@ -136,8 +137,7 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
     algorithm with its steps, bytes per axis and predicted seconds. For a pytree,
     :class:`Explanations`: one per leaf.
   """
-  if primitive not in PRIMITIVES:
-    raise ValueError(f"primitive={primitive!r} is not a collective; expected one of {PRIMITIVES}")
+  facts = spec(primitive)
   if not _is_leaf(x):
     leaves = jax.tree_util.tree_flatten_with_path(x, is_leaf=_is_leaf)[0]
     return Explanations(tuple(
@@ -153,8 +153,8 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
   sizes = tuple(int(shape_of[a]) for a in axes)
   n = math.prod(sizes)
   dtype = np.dtype(x.dtype)
-  nbytes = int(math.prod(x.shape)) * dtype.itemsize * (n if primitive == "all_gather" else 1)
-  scale = 1.0 if accumulate_dtype is None else np.dtype(accumulate_dtype).itemsize / dtype.itemsize
+  nbytes = int(facts.message_bytes(int(math.prod(x.shape)) * dtype.itemsize, n))
+  scale = ops.partial_sum_scale(dtype, accumulate_dtype)
   fmt = wire_lib.wire_format(wire_dtype, dtype)
   priced = nbytes * (fmt.ratio(dtype) if fmt else 1.0)
   profile = dispatch.profile_in_use(profile)
@@ -187,15 +187,3 @@ def mesh_shape(mesh) -> dict:
   return dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
 
 
-def fmt_bytes(b: float) -> str:
-  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if b >= size:
-      return f"{b / size:.3g} {unit}"
-  return f"{b:.0f} B"
-
-
-def fmt_seconds(s: float) -> str:
-  for unit, size in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-    if s >= size:
-      return f"{s / size:.3g} {unit}"
-  return f"{s * 1e9:.3g} ns"

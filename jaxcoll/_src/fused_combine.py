@@ -1,7 +1,7 @@
 """The fused reduce step: ``acc <- round(op(acc, decode(recv)) * scale)`` as one Pallas kernel.
 
 One pass over memory: read a tile of the accumulator and of the received chunk
-(decoding a compressed wire format on the way, :mod:`jaxcoll._src.wire`),
+(decoding a compressed wire format on the way, :func:`jaxcoll._src.wire.dequantize`),
 combine in float32 for float16/bfloat16 data (the dtype itself otherwise),
 scale, round to the output dtype (to nearest, or stochastically), and write the
 tile back over the accumulator (``input_output_aliases``: in place when the
@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxcoll._src import ops
-from jaxcoll._src.wire import pow2, scales
+from jaxcoll._src.wire import dequantize, pow2, scales
 
 ROUNDINGS = ("nearest", "stochastic")
 KERNEL_OPS = ("sum", "prod", "min", "max", "mean")
@@ -176,9 +176,7 @@ def stochastic_round(y, out_dtype, bits):
 def _math(spec: _Spec, acc, recv, exps, bits, *, straight_through: bool = False):
   """The combine on 2-D tiles: shared by the kernel and the reference."""
   work = spec.work_dtype
-  r = recv.astype(work)
-  if exps is not None:   # float32 block scales (wire.scales of the exponents)
-    r = r * exps
+  r = dequantize(recv, exps, work)   # exps: float32 scales (wire.scales), one per row
   y = ops.combine(jnp, spec.op, acc.astype(work), r.astype(work))
   if spec.scale is not None:
     y = y * jnp.asarray(spec.scale, work)

@@ -1,12 +1,13 @@
 """How a flat message maps onto a schedule's rows of chunks (NumPy or jax.numpy).
 
-Unblocked primitives (all_reduce, broadcast, reduce) pad the flat buffer of
-``size`` elements to ``C * ceil(size / C)`` and view it as ``C`` rows. Blocked
-primitives (reduce_scatter, all_gather) keep rank r's block in rows
-``[r*b, (r+1)*b)`` (``b = C / N``), each block padded on its own, so padding never
-moves data across a block boundary. all_to_all keeps the N input blocks in the
-first ``N*b`` rows and the output blocks in the last ``N*b``; shift has one row
-of input and one of output. ``xp`` is ``numpy`` or ``jax.numpy``; the
+Each primitive's spec names its layout (:attr:`CollectiveSpec.layout`). "whole"
+(all_reduce, broadcast, reduce) pads the flat buffer of ``size`` elements to
+``C * ceil(size / C)`` and views it as ``C`` rows. "scatter" and "gather"
+(reduce_scatter, all_gather) keep rank r's block in rows ``[r*b, (r+1)*b)``
+(``b = C / N``), each block padded on its own, so padding never moves data across a
+block boundary. "exchange" (all_to_all) keeps the N input blocks in the first ``N*b``
+rows and the output blocks in the last ``N*b``; "pair" (shift) has one row of input and
+one of output. ``xp`` is ``numpy`` or ``jax.numpy``; the
 rank is a Python int (the NumPy simulator) or ``None`` (the executor, which
 places and extracts the block itself with dynamic slices).
 """
@@ -15,22 +16,26 @@ from __future__ import annotations
 
 import math
 
-BLOCKED = ("reduce_scatter", "all_gather")
+from jaxcoll._src.spec import spec
 
 
 def row_length(schedule, size: int, multiple: int = 1) -> int:
   """Elements per chunk for a message of ``size`` elements (the piece, for all_gather),
   rounded up to a multiple of ``multiple`` (the block of a compressed wire format)."""
-  b = schedule.blocks_per_rank
-  if schedule.primitive in ("reduce_scatter", "all_to_all"):
+  b, kind = schedule.blocks_per_rank, _kind(schedule)
+  if kind in ("scatter", "exchange"):
     length = math.ceil(size // schedule.axis_size / b)
-  elif schedule.primitive == "shift":
+  elif kind == "pair":
     length = size
-  elif schedule.primitive == "all_gather":
+  elif kind == "gather":
     length = math.ceil(size / b)
   else:
     length = math.ceil(size / schedule.num_chunks)
   return -(-length // multiple) * multiple
+
+
+def _kind(schedule) -> str:
+  return spec(schedule.primitive).layout
 
 
 def pad_to(xp, flat, length: int):
@@ -68,8 +73,8 @@ def to_rows(xp, flat, schedule, rank: int | None = None, multiple: int = 1):
   """
   c = schedule.num_chunks
   size = flat.shape[0]
-  length = row_length(schedule, size, multiple)
-  if schedule.primitive == "all_gather":
+  length, kind = row_length(schedule, size, multiple), _kind(schedule)
+  if kind == "gather":
     own = block(xp, flat, schedule, length)
     if rank is None:   # every row is received later: start from the data, not from zeros
       return xp.broadcast_to(own[:1], (c, length))
@@ -77,16 +82,16 @@ def to_rows(xp, flat, schedule, rank: int | None = None, multiple: int = 1):
     b = schedule.blocks_per_rank
     rows[rank * b:(rank + 1) * b] = own
     return rows
-  if schedule.primitive == "all_to_all":
+  if kind == "exchange":
     inputs = blocked_rows(xp, flat, schedule, length)
     rows = xp.concatenate([inputs, xp.zeros((c - inputs.shape[0], length), flat.dtype)])
     if rank is not None:
       b, out = schedule.blocks_per_rank, output_start(schedule)
       rows[out + rank * b:out + (rank + 1) * b] = rows[rank * b:(rank + 1) * b]
     return rows
-  if schedule.primitive == "reduce_scatter":
+  if kind == "scatter":
     return blocked_rows(xp, flat, schedule, length).reshape(c, length)
-  if schedule.primitive == "shift":
+  if kind == "pair":
     return xp.stack([flat, xp.zeros_like(flat)])
   return pad_to(xp, flat, c * length).reshape(c, length)
 
@@ -97,15 +102,30 @@ def from_rows(xp, rows, schedule, size: int, rank: int | None = None):
   For reduce_scatter with ``rank=None`` the caller passes the rank's own ``b``
   rows (already sliced out) instead of the whole buffer.
   """
-  n = schedule.axis_size
-  if schedule.primitive == "all_gather":
+  n, kind = schedule.axis_size, _kind(schedule)
+  if kind == "gather":
     return rows.reshape(n, -1)[:, :size].reshape(-1)
-  if schedule.primitive == "all_to_all":
+  if kind == "exchange":
     return rows[output_start(schedule):].reshape(n, -1)[:, :size // n].reshape(-1)
-  if schedule.primitive == "shift":
+  if kind == "pair":
     return rows[1]
-  if schedule.primitive == "reduce_scatter":
+  if kind == "scatter":
     b = schedule.blocks_per_rank
     mine = rows if rank is None else rows[rank * b:(rank + 1) * b]
     return mine.reshape(-1)[:size // n]
   return rows.reshape(-1)[:size]
+
+
+def place_own(xp, rows, flat, schedule, rank):
+  """The executor's starting rows with the rank's own block in place (``rank`` traced):
+  "gather" puts its piece in block r, "exchange" copies input block r to output block r;
+  the rest start as :func:`to_rows` left them. ``xp`` is jax.numpy; the slices are lax's."""
+  from jax import lax  # the one jax-only hook: NumPy callers pass a concrete rank instead
+  b, kind = schedule.blocks_per_rank, _kind(schedule)
+  if kind == "gather":
+    piece = block(xp, flat, schedule, rows.shape[1])
+    return lax.dynamic_update_slice_in_dim(rows, piece, rank * b, axis=0)
+  if kind == "exchange":
+    own = lax.dynamic_slice_in_dim(rows, rank * b, b, axis=0)
+    return lax.dynamic_update_slice_in_dim(rows, own, output_start(schedule) + rank * b, 0)
+  return rows

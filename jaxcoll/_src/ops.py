@@ -52,3 +52,11 @@ def combine(xp, op: str, acc, received):
 
 def combine_numpy(op: str, acc: np.ndarray, received: np.ndarray) -> np.ndarray:
   return combine(np, op, acc, received)
+
+
+def partial_sum_scale(dtype, accumulate_dtype=None) -> float:
+  """How much larger partial sums travel than the data: itemsize(accumulate) / itemsize(x)
+  (1 without ``accumulate_dtype``); the cost model scales reduce steps' bytes by it."""
+  if accumulate_dtype is None:
+    return 1.0
+  return np.dtype(accumulate_dtype).itemsize / np.dtype(dtype).itemsize

@@ -50,6 +50,7 @@ import functools
 import importlib.resources
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -244,6 +245,30 @@ class Profile:
     if name not in PRESETS:
       raise ValueError(f"profile preset {name!r} is unknown; expected one of {PRESET_NAMES}")
     return PRESETS[name]
+
+  @classmethod
+  def resolve(cls, profile, where: str = "profile") -> Profile:
+    """``profile`` as a :class:`Profile`, the one place a profile argument is read: a
+    Profile as it is, a preset's name (:meth:`preset`; a preset wins over a file of the same
+    name), or the path (``str`` or path-like) of a JSON file :meth:`save` wrote
+    (:meth:`load`). Anything else is a ValueError that names ``where`` (the argument, as
+    ``"config(profile=...)"``) and the accepted forms."""
+    if isinstance(profile, Profile):
+      return profile
+    forms = (f"expected a jaxcoll.Profile, a preset name (one of {', '.join(PRESET_NAMES)}) "
+             "or the path of a profile JSON (Profile.save)")
+    if isinstance(profile, str) and profile in PRESET_NAMES:
+      return cls.preset(profile)
+    if not isinstance(profile, (str, os.PathLike)):
+      raise ValueError(f"{where}: got {profile!r}; {forms}")
+    if not os.path.isfile(profile):
+      raise ValueError(f"{where}: no preset {os.fspath(profile)!r} and no file of that name; "
+                       f"{forms}")
+    try:
+      return cls.load(profile)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+      raise ValueError(f"{where}: {os.fspath(profile)!r} is not a profile JSON "
+                       f"({type(e).__name__}: {e}); {forms}") from e
 
   def to_json(self) -> dict:
     return {"name": self.name, "gamma": self.gamma, "overhead": self.overhead,

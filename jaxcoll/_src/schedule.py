@@ -23,9 +23,9 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from jaxcoll._src.spec import PRIMITIVES
+
 Combine = Literal["reduce", "copy"]
-PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
-              "shift")
 
 
 def _ranks(x) -> np.ndarray:
@@ -400,8 +400,8 @@ class Schedule:
     moves. ``steps`` (indices) cuts only those steps; the others move all pieces of their
     chunks at once. Elementwise combines act on each piece alone, so results are identical.
     Cost: ``pieces`` times the cut steps (alpha), the same bytes (beta). What it buys is
-    smaller messages in flight: on the CPU testbed one bidirectional 4 MiB gloo
-    exchange filled 58% of a shaped link and the same bytes in 8 pieces 92%. Runs of
+    smaller messages in flight, which over gloo's TCP fill a link better than one large
+    message does (measured: docs/measurements.md#messages-in-pieces). Runs of
     pieces share one structure, so the executor runs them as one loop.
     """
     if not isinstance(pieces, int) or pieces < 1:

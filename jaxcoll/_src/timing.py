@@ -1,9 +1,9 @@
 """Side-by-side timing, the way every jaxcoll measurement is taken.
 
-Machines shared by many device threads are noisy (on the 2-core CPU testbed a
-gloo message costs 0.1 ms or, in stretches, 4 ms), so programs that are
-compared are timed in rounds: each round runs every program once, in an order
-rotated from round to round, and a program's figure is its median over rounds.
+Machines shared by many device threads are noisy (on the 2-core CPU testbed a gloo
+message's latency is bimodal; measured: docs/measurements.md#multi-process-cpu-jobs),
+so programs that are compared are timed in rounds: each round runs every program once,
+in an order rotated from round to round, and a program's figure is its median over rounds.
 Cheap programs get more rounds: at least ``reps``, and more until the rounds
 have taken ``min_seconds`` (at most ``max_reps``).
 """

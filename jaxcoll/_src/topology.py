@@ -9,9 +9,8 @@ message by the class of the link between its two devices, read from the devices:
 - ``"network"``: two hosts, or two TPU slices (``device.slice_index``: DCN).
 
 On the CPU a multi-process job moves every message through gloo, even between two devices
-of one process (measured: an all_reduce of 1 KiB over 4 devices of one process takes 4.1 ms
-in a 2-process job, 0.35 ms over 8 devices in a 1-process one), so there every device counts
-as a process of its own: two devices of one host are linked "host".
+of one process (measured: docs/measurements.md#multi-process-cpu-jobs), so there every
+device counts as a process of its own: two devices of one host are linked "host".
 
 A process's host is what :func:`jaxcoll.distributed.initialize` publishes for it when the
 job starts (its host name and, under ``jaxcoll.launch`` with per-rank addresses, that

@@ -42,7 +42,6 @@ import numpy as np
 from jax import lax
 
 WIRE_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
-WIRE_PRIMITIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")   # take wire_dtype=
 DEFAULT_BLOCK_SIZE = 256
 _SCALED = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 _EPS = {"bfloat16": 2.0 ** -8, "int8": 1 / 127, "float8_e4m3fn": 2.0 ** -4 + 2.0 ** -18,
@@ -54,6 +53,10 @@ MIN_EXPONENT = -126  # scales stay normal float32 numbers
 @dataclasses.dataclass(frozen=True)
 class WireFormat:
   """A wire format: element dtype name and, for scaled formats, the block size.
+
+  It owns the encoding: :meth:`encode` and :meth:`decode` (the module's ``encode`` and
+  ``decode`` call them); the decode arithmetic itself is :func:`dequantize`, which the
+  fused combine kernel also runs on its tiles, so every receiver gets the same bits.
 
   Attributes:
     name: one of ``WIRE_DTYPES``.
@@ -109,8 +112,34 @@ class WireFormat:
     flat = jnp.ravel(x).astype(jnp.float32)
     b = self.block_length(flat.size) if self.scaled else 1
     rows = jnp.pad(flat, (0, -flat.size % b))[None]
-    out = decode(self, *encode(self, rows))[0, :flat.size]
+    out = self.decode(*self.encode(rows))[0, :flat.size]
     return out.reshape(jnp.shape(x)).astype(x.dtype)
+
+  def encode(self, rows):
+    """float32 rows ``[k, L]`` -> (values ``[k, L]`` in ``self.dtype``, int8 exponents
+    ``[k, L/B]`` or None). L must be a multiple of ``self.row_multiple(L)``."""
+    rows = rows.astype(jnp.float32)
+    if not self.scaled:
+      return rows.astype(self.dtype), None
+    k, length = rows.shape
+    b = self.block_length(length)
+    blocks = rows.reshape(k, length // b, b)
+    fmax = _SCALED[self.name]
+    e = _exponents(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), fmax)
+    scaled = jnp.clip(blocks * pow2(-jnp.minimum(e, 126)), -fmax, fmax)
+    if self.name == "int8":
+      scaled = jnp.round(scaled)
+    return scaled.astype(self.dtype).reshape(k, length), e[..., 0].astype(jnp.int8)
+
+  def decode(self, values, exponents):
+    """The float32 rows :meth:`encode` encoded (what every receiver computes, bit for bit):
+    each block of values times its scale, by :func:`dequantize` (as the fused combine
+    kernel decodes)."""
+    if exponents is None:
+      return dequantize(values, None)
+    k, length = values.shape
+    blocks = values.reshape(k, exponents.shape[-1], -1)
+    return dequantize(blocks, scales(exponents)[..., None]).reshape(k, length)
 
 
 def wire_format(wire_dtype, dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> WireFormat | None:
@@ -152,20 +181,8 @@ def _exponents(amax, fmax: float):
 
 
 def encode(fmt: WireFormat, rows):
-  """float32 rows ``[k, L]`` -> (values ``[k, L]`` in fmt.dtype, int8 exponents ``[k, L/B]``
-  or None). L must be a multiple of ``fmt.row_multiple(L)``."""
-  rows = rows.astype(jnp.float32)
-  if not fmt.scaled:
-    return rows.astype(fmt.dtype), None
-  k, length = rows.shape
-  b = fmt.block_length(length)
-  blocks = rows.reshape(k, length // b, b)
-  fmax = _SCALED[fmt.name]
-  e = _exponents(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), fmax)
-  scaled = jnp.clip(blocks * pow2(-jnp.minimum(e, 126)), -fmax, fmax)
-  if fmt.name == "int8":
-    scaled = jnp.round(scaled)
-  return scaled.astype(fmt.dtype).reshape(k, length), e[..., 0].astype(jnp.int8)
+  """``fmt.encode(rows)``: :meth:`WireFormat.encode`."""
+  return fmt.encode(rows)
 
 
 def scales(exponents):
@@ -174,14 +191,22 @@ def scales(exponents):
   return jnp.where(e == NAN_EXPONENT, jnp.nan, pow2(jnp.minimum(e, 126)))
 
 
+def dequantize(values, block_scales, dtype=jnp.float32):
+  """``values`` as ``dtype`` times their block's scale: the one copy of the decode math.
+
+  ``block_scales`` (float32 ``2**e`` from :func:`scales`, NaN for a non-finite block)
+  broadcasts against ``values``: ``[..., 1]`` against blocks ``[..., B]``; None for an
+  unscaled format (the cast alone). It only casts and multiplies, so it runs alike on jax
+  arrays (:meth:`WireFormat.decode`) and on tiles loaded in the body of the Pallas fused
+  combine kernel, which decodes in its work dtype (float32 for float data up to 32 bits).
+  """
+  values = values.astype(dtype)
+  return values if block_scales is None else values * block_scales
+
+
 def decode(fmt: WireFormat, values, exponents):
-  """The float32 rows ``encode`` encoded (what every receiver computes, bit for bit)."""
-  values = values.astype(jnp.float32)
-  if exponents is None:
-    return values
-  k, length = values.shape
-  blocks = values.reshape(k, exponents.shape[-1], -1) * scales(exponents)[..., None]
-  return blocks.reshape(k, length)
+  """``fmt.decode(values, exponents)``: :meth:`WireFormat.decode`."""
+  return fmt.decode(values, exponents)
 
 
 def pack(fmt: WireFormat, values, exponents):

@@ -11,11 +11,14 @@ from jaxcoll._src.algorithms import recursive_doubling as _rd  # noqa: F401
 from jaxcoll._src.algorithms import ring as _ring  # noqa: F401
 from jaxcoll._src.algorithms import trees as _trees  # noqa: F401
 from jaxcoll._src.algorithms.registry import (  # noqa: F401
-    HIERARCHICAL,
     NATIVE,
-    ROOTED,
+    Algorithm,
     algorithms,
+    call_options,
     check_algorithm,
+    entries,
+    entry,
+    label,
     register,
     schedule,
 )

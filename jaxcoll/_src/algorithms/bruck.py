@@ -35,7 +35,7 @@ def all_gather(n: int):
   return build("all_gather", "bruck", n, n, rounds)
 
 
-@register("all_to_all", "bruck")
+@register("all_to_all", "bruck", stage=True, fit=True)
 def all_to_all(n: int):
   r = np.arange(n)
   rounds = []

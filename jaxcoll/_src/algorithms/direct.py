@@ -27,7 +27,7 @@ def _pairwise(n: int, send, recv, combine):
   return [[Messages.of(r, (r + s) % n, send(r, s), recv(r, s), combine)] for s in range(1, n)]
 
 
-@register("reduce_scatter", "direct")
+@register("reduce_scatter", "direct", stage=True)
 def reduce_scatter(n: int):
   to = lambda r, s: (r + s) % n  # noqa: E731
   return build("reduce_scatter", "direct", n, n, _pairwise(n, to, to, "reduce"))
@@ -39,13 +39,13 @@ def all_gather(n: int):
   return build("all_gather", "direct", n, n, _pairwise(n, own, own, "copy"))
 
 
-@register("all_to_all", "direct")
+@register("all_to_all", "direct", native_like=True, stage=True, fit=True)
 def all_to_all(n: int):
   return build("all_to_all", "direct", n, 2 * n,
                _pairwise(n, lambda r, s: (r + s) % n, lambda r, s: n + r, "copy"))
 
 
-@register("shift", "direct")
+@register("shift", "direct", native_like=True)
 def shift(n: int, *, offset: int = 1, wrap: bool = True):
   """Rank r's input (row 0) goes to row 1 of rank r + offset."""
   src = np.arange(n)

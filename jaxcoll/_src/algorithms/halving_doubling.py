@@ -52,7 +52,7 @@ def _halving_rounds(fold: Fold) -> tuple[Rounds, Rounds]:
   return rs, ag
 
 
-@register("all_reduce", "halving_doubling")
+@register("all_reduce", "halving_doubling", stage=True, fit=True)
 def all_reduce(n: int):
   fold = Fold(n)
   everything = np.arange(fold.p)[None]
@@ -62,7 +62,7 @@ def all_reduce(n: int):
   return build("all_reduce", "halving_doubling", n, fold.p, pre, rs, ag, post)
 
 
-@register("reduce_scatter", "halving_doubling")
+@register("reduce_scatter", "halving_doubling", stage=True)
 def reduce_scatter(n: int):
   """Halving over the N blocks, each block routed towards the virtual rank that keeps it."""
   fold = Fold(n)

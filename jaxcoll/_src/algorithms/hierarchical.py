@@ -41,7 +41,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxcoll._src.algorithms.common import Rounds, build
-from jaxcoll._src.algorithms.registry import register, schedule
+from jaxcoll._src.algorithms.registry import entries, register, schedule
 from jaxcoll._src.schedule import Messages, Schedule, per_array
 
 NAME = "hierarchical"
@@ -64,12 +64,45 @@ class Hierarchical:
   per_axis: tuple[str | None, ...] = ()
   pieces: tuple[int, ...] = ()
 
+  name = NAME
+
+  def options(self) -> dict:
+    """The schedule options this value adds to the call's (dispatch adds ``axis_sizes``)."""
+    return {"per_axis": tuple(self.per_axis) or None} | (
+        {"stage_pieces": tuple(self.pieces)} if self.pieces else {})
+
   def label(self, primitive: str, num_axes: int) -> str:
     """The name explain and the benchmarks give it: ``hierarchical(ring,ring)``."""
     default = DEFAULT_STAGE.get(primitive, "ring")
     stages = ",".join(a or default for a in (self.per_axis or (None,) * num_axes))
     cut = f"; pieces {','.join(map(str, self.pieces))}" if self.pieces else ""
     return f"{NAME}({stages}{cut})"
+
+
+def stage_names(primitive: str) -> tuple[str, ...]:
+  """The flat algorithms that may run one axis's stage: those registered with ``stage=True``
+  (for all_reduce, reduce_scatter and all_gather the inner stages are a reduce_scatter and
+  its all_gather twin of the same name, so reduce_scatter's say), the one the lax collective
+  is priced as first, then registration order."""
+  which = "reduce_scatter" if primitive in ("reduce_scatter", "all_gather") else primitive
+  stages = sorted(entries(which, num_axes=1, stage=True), key=lambda a: not a.native_like)
+  return tuple(a.name for a in stages)
+
+
+def variants(primitive: str, axis_sizes: tuple[int, ...]) -> list[tuple[str, dict]]:
+  """(label, options) of every per-axis choice auto weighs: any stage algorithm on the
+  outermost axis, a reduce_scatter stage on the others (all_to_all: its own stages)."""
+  inner = stage_names("all_to_all" if primitive == "all_to_all" else "reduce_scatter")
+  per_axis = [stage_names(primitive)] + [inner] * (len(axis_sizes) - 1)
+  return [(f"{NAME}({','.join(names)})", {"axis_sizes": axis_sizes, "per_axis": names})
+          for names in itertools.product(*per_axis)]
+
+
+def label(primitive: str, num_axes: int) -> str:
+  return Hierarchical().label(primitive, num_axes)
+
+
+_META = dict(num_axes=2, variants=variants, label=label)
 
 
 def stage_schedule(primitive: str, name: str | None, size: int, pieces: int = 1) -> Schedule:
@@ -135,7 +168,7 @@ def _check_shape(n: int, axis_sizes, per_axis, stage_pieces=None
   return shape, per_axis, pieces
 
 
-@register("all_reduce", NAME)
+@register("all_reduce", NAME, fit=True, **_META)
 def all_reduce(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> Schedule:
   shape, names, pieces = _check_shape(n, axis_sizes, per_axis, stage_pieces)
   k = len(shape)
@@ -187,19 +220,19 @@ def _blocked(primitive: str, n: int, axis_sizes, per_axis, stage_pieces,
   return build(primitive, NAME, n, n * g, rounds, axis_sizes=shape)
 
 
-@register("reduce_scatter", NAME)
+@register("reduce_scatter", NAME, **_META)
 def reduce_scatter(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> Schedule:
   return _blocked("reduce_scatter", n, axis_sizes, per_axis, stage_pieces,
                   order=range(len(axis_sizes or ()) - 1, -1, -1))
 
 
-@register("all_gather", NAME)
+@register("all_gather", NAME, **_META)
 def all_gather(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> Schedule:
   return _blocked("all_gather", n, axis_sizes, per_axis, stage_pieces,
                   order=range(len(axis_sizes or ())))
 
 
-@register("all_to_all", NAME)
+@register("all_to_all", NAME, **_META)
 def all_to_all(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> Schedule:
   """Dimension-ordered all-to-all; see the module docstring.
 

@@ -33,7 +33,7 @@ def _exchange_rounds(fold: Fold, held: np.ndarray, combine) -> Rounds:
   return rounds
 
 
-@register("all_reduce", "recursive_doubling")
+@register("all_reduce", "recursive_doubling", stage=True, fit=True)
 def all_reduce(n: int):
   fold = Fold(n)
   rounds = _exchange_rounds(fold, np.ones((fold.p, 1), bool), "reduce")

@@ -1,31 +1,109 @@
 """The algorithm registry: ``schedule(primitive, algorithm, axis_size)`` and ``register``.
 
 Each module of this package builds the schedules of one family and registers them with
-:func:`register`; the package imports them all. An algorithm is a pure function of the axis
-size (and options such as the pipeline depth) returning a
+:func:`register`, together with what the rest of jaxcoll needs to know about them (an
+:class:`Algorithm`): how many mesh axes they need, the options auto may try, whether they
+can be one axis's stage of a multi-axis schedule, whether the lax collective is priced as
+them, whether calibrate fits to them, and their cost formula. The package imports them all,
+so adding an algorithm is one module plus its import. An algorithm is a pure function of
+the axis size (and options such as the pipeline depth) returning a
 :class:`~jaxcoll._src.schedule.Schedule` for root 0; schedules are cached, and those of
 rooted primitives are relabelled for other roots.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Mapping, Sequence
 
-from jaxcoll._src.schedule import PRIMITIVES, Schedule
+from jaxcoll._src.schedule import Schedule
+from jaxcoll._src.spec import PRIMITIVES, spec
 
-NATIVE = "native"
-HIERARCHICAL = "hierarchical"   # runs over a tuple of axes; needs axis_sizes=
-ROOTED = ("broadcast", "reduce")
-_BUILDERS: dict[str, dict[str, Callable[..., Schedule]]] = {p: {} for p in PRIMITIVES}
+NATIVE = "native"   # the jax.lax collective: no schedule of ours
+
+Variants = Callable[[str, tuple[int, ...]], list[tuple[str, dict]]]
 
 
-def register(primitive: str, name: str):
-  """Decorator: registers ``builder(axis_size, **options) -> Schedule``."""
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """One registered schedule builder and its metadata.
+
+  Attributes:
+    primitive, name: what it is registered as.
+    build: ``build(axis_size, **options) -> Schedule``.
+    num_axes: the mesh axes it needs at least; more than one (hierarchical) means it also
+      takes ``axis_sizes=`` (outermost first), which dispatch passes.
+    tune: options auto weighs, ``{option: (value, ...)}``; the first value of each is the
+      builder's default, and labels name the others: ``double_binary_tree(pipeline=8)``.
+    stage: it may run as one axis's stage of a multi-axis schedule.
+    native_like: the lax collective is priced as this schedule when never measured (what
+      NCCL runs for it).
+    fit: calibrate times it and fits the cost model to those times.
+    formula: ``formula(N) -> (steps, bytes per rank / M)``, its cost formula;
+      tests check every schedule against it.
+    variants: for a multi-axis algorithm, ``variants(primitive, axis_sizes)`` lists the
+      (label, options) auto weighs (replaces ``tune``).
+    label: ``label(primitive, num_axes)``, the name the default variant is shown as.
+  """
+
+  primitive: str
+  name: str
+  build: Callable[..., Schedule]
+  num_axes: int = 1
+  tune: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+  stage: bool = False
+  native_like: bool = False
+  fit: bool = False
+  formula: Callable[[int], tuple[int, float]] | None = None
+  variants: Variants | None = None
+  label: Callable[[str, int], str] | None = None
+
+  def choices(self, axis_sizes: tuple[int, ...]) -> list[tuple[str, dict]]:
+    """(label, options) of every variant auto weighs on a mesh of ``axis_sizes``."""
+    if self.variants is not None:
+      return self.variants(self.primitive, tuple(axis_sizes))
+    names = list(self.tune)
+    out = []
+    for values in itertools.product(*self.tune.values()):
+      changed = {k: v for k, v, default in zip(names, values, (self.tune[k][0] for k in names))
+                 if v != default}
+      label = self.name + (f"({','.join(f'{k}={v}' for k, v in changed.items())})"
+                           if changed else "")
+      out.append((label, changed))
+    return out or [(self.name, {})]
+
+
+_REGISTRY: dict[str, dict[str, Algorithm]] = {p: {} for p in PRIMITIVES}
+
+
+def register(primitive: str, name: str, **metadata):
+  """Decorator: registers ``builder(axis_size, **options) -> Schedule`` with the
+  :class:`Algorithm` fields in ``metadata``."""
+  spec(primitive)
+
   def wrap(builder):
-    _BUILDERS[primitive][name] = builder
+    _REGISTRY[primitive][name] = Algorithm(primitive, name, builder, **metadata)
     return builder
   return wrap
+
+
+def entry(primitive: str, name: str) -> Algorithm:
+  """The :class:`Algorithm` registered as ``name`` for ``primitive``."""
+  check_algorithm(primitive, name)
+  if name not in _REGISTRY[primitive]:
+    raise ValueError(f"algorithm={name!r} has no schedule; name a concrete algorithm")
+  return _REGISTRY[primitive][name]
+
+
+def entries(primitive: str, num_axes: int | None = None, **metadata) -> tuple[Algorithm, ...]:
+  """The registered algorithms of ``primitive`` (registration order) that run over
+  ``num_axes`` mesh axes and have every given metadata value, e.g. ``stage=True``."""
+  spec(primitive)
+  return tuple(a for a in _REGISTRY[primitive].values()
+               if (num_axes is None or a.num_axes <= max(num_axes, 1))
+               and all(getattr(a, k) == v for k, v in metadata.items()))
 
 
 def algorithms(primitive: str, num_axes: int | None = None) -> tuple[str, ...]:
@@ -34,16 +112,7 @@ def algorithms(primitive: str, num_axes: int | None = None) -> tuple[str, ...]:
   With ``num_axes``, only those that run over that many mesh axes ("hierarchical"
   needs a tuple of at least two; every other algorithm runs over any number).
   """
-  _check_primitive(primitive)
-  names = (*_BUILDERS[primitive], NATIVE)
-  if num_axes is not None and num_axes < 2:
-    names = tuple(a for a in names if a != HIERARCHICAL)
-  return names
-
-
-def _check_primitive(primitive: str) -> None:
-  if primitive not in _BUILDERS:
-    raise ValueError(f"primitive={primitive!r} is not a collective; expected one of {PRIMITIVES}")
+  return (*(a.name for a in entries(primitive, num_axes)), NATIVE)
 
 
 def check_algorithm(primitive: str, algorithm: str, *, argument: str = "algorithm") -> None:
@@ -53,13 +122,33 @@ def check_algorithm(primitive: str, algorithm: str, *, argument: str = "algorith
                      f"or one of {algorithms(primitive)}")
 
 
+def call_options(primitive: str, name: str, axis_sizes: Sequence[int], options=None) -> dict:
+  """The schedule options a call of ``name`` over axes of ``axis_sizes`` runs with: a
+  multi-axis algorithm also gets ``axis_sizes``; ValueError if there are too few axes."""
+  algo = entry(primitive, name)
+  options = dict(options or {})
+  if algo.num_axes > 1:
+    if len(axis_sizes) < algo.num_axes:
+      raise ValueError(f"algorithm={name!r} runs over a tuple of at least {algo.num_axes} "
+                       f"mesh axes (outer, ..., inner); axis_name names {len(axis_sizes)} "
+                       f"axis of size {tuple(axis_sizes)}")
+    options = {"axis_sizes": tuple(axis_sizes), **options}
+  return options
+
+
+def label(primitive: str, name: str, num_axes: int) -> str:
+  """How explain, the benchmarks and auto name ``name``'s default variant."""
+  algo = entry(primitive, name)
+  return algo.label(primitive, num_axes) if algo.label else name
+
+
 @functools.lru_cache(maxsize=4096)
 def schedule(primitive: str, algorithm: str, axis_size: int, *, root: int = 0,
              **options) -> Schedule:
   """The schedule of ``algorithm`` for ``primitive`` over ``axis_size`` ranks.
 
   Args:
-    primitive: "all_reduce", "reduce_scatter", "all_gather", "broadcast" or "reduce".
+    primitive: one of ``PRIMITIVES``.
     algorithm: a name from :func:`algorithms`, except "native" (the jax.lax
       collective has no schedule of ours).
     axis_size: N >= 1.
@@ -68,14 +157,12 @@ def schedule(primitive: str, algorithm: str, axis_size: int, *, root: int = 0,
       ``offset=``, ``wrap=`` for shift; ``axis_sizes=`` (outermost first) and
       ``per_axis=`` (one flat algorithm per axis) for "hierarchical".
   """
-  check_algorithm(primitive, algorithm)
-  if algorithm in ("auto", NATIVE):
-    raise ValueError(f"algorithm={algorithm!r} has no schedule; name a concrete algorithm")
+  algo = entry(primitive, algorithm)
   if not isinstance(axis_size, int) or axis_size < 1:
     raise ValueError(f"axis_size must be a positive int, got {axis_size!r}")
-  if root and primitive not in ROOTED:
-    raise ValueError(f"root={root}: only {ROOTED} have a root")
+  if root and not spec(primitive).rooted:
+    raise ValueError(f"root={root}: {primitive} has no root")
   if not 0 <= root < axis_size:
     raise ValueError(f"root={root} is out of range for an axis of size {axis_size}")
-  built = _BUILDERS[primitive][algorithm](axis_size, **options)
+  built = algo.build(axis_size, **options)
   return built.relabel(root) if root else built

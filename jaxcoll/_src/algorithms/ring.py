@@ -45,22 +45,22 @@ def all_gather_rounds(n: int, chunks: ChunksOf = _block, direction: int = 1) -> 
   return _rounds(n, chunks, direction, 0, "copy")
 
 
-@register("reduce_scatter", "ring")
+@register("reduce_scatter", "ring", native_like=True, stage=True)
 def reduce_scatter(n: int):
   return build("reduce_scatter", "ring", n, n, reduce_scatter_rounds(n))
 
 
-@register("all_gather", "ring")
+@register("all_gather", "ring", native_like=True, fit=True)
 def all_gather(n: int):
   return build("all_gather", "ring", n, n, all_gather_rounds(n))
 
 
-@register("all_reduce", "ring")
+@register("all_reduce", "ring", native_like=True, stage=True, fit=True)
 def all_reduce(n: int):
   return build("all_reduce", "ring", n, n, reduce_scatter_rounds(n), all_gather_rounds(n))
 
 
-@register("all_reduce", "bidirectional_ring")
+@register("all_reduce", "bidirectional_ring", stage=True)
 def all_reduce_bidirectional(n: int):
   upper = lambda b: n + b  # noqa: E731
   return build("all_reduce", "bidirectional_ring", n, 2 * n,

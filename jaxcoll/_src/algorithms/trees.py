@@ -76,13 +76,13 @@ def binomial_gather_rounds(n: int) -> Rounds:
   return rounds
 
 
-@register("all_reduce", "binomial_tree")
+@register("all_reduce", "binomial_tree", stage=True, fit=True)
 def all_reduce_binomial(n: int):
   return build("all_reduce", "binomial_tree", n, 1, binomial_reduce_rounds(n),
                binomial_broadcast_rounds(n))
 
 
-@register("broadcast", "binomial_tree")
+@register("broadcast", "binomial_tree", native_like=True)
 def broadcast_binomial(n: int):
   return build("broadcast", "binomial_tree", n, 1, binomial_broadcast_rounds(n))
 
@@ -93,7 +93,7 @@ def broadcast_scatter_allgather(n: int):
                ring.all_gather_rounds(n))
 
 
-@register("reduce", "binomial_tree")
+@register("reduce", "binomial_tree", native_like=True)
 def reduce_binomial(n: int):
   return build("reduce", "binomial_tree", n, 1, binomial_reduce_rounds(n))
 
@@ -167,7 +167,8 @@ def _pipelined_tree_rounds(parents: np.ndarray, chunks: np.ndarray) -> dict[int,
   return steps
 
 
-@register("all_reduce", "double_binary_tree")
+@register("all_reduce", "double_binary_tree", native_like=True, stage=True,
+          tune={"pipeline": (4, 1, 2, 8)})
 def all_reduce_double_binary_tree(n: int, *, pipeline: int = 4):
   if pipeline < 1:
     raise ValueError(f"pipeline must be >= 1, got {pipeline}")

@@ -41,9 +41,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll._src import axes as axes_lib
 from jaxcoll._src.algorithms import algorithms
 from jaxcoll._src.collectives import all_gather, reduce_scatter
+from jaxcoll.tools import normalize_axes
 
 
 @jax.tree_util.register_dataclass
@@ -214,7 +214,7 @@ def _assemble(s: Sharded, got, num_stages: int):
 
 def _plans(sharded, axis_name, secondary_axis, options: dict):
   """Every :class:`Sharded` leaf's gather stages (:func:`_leaf_stages`)."""
-  stages = _split(axes_lib.normalize(axis_name), secondary_axis)
+  stages = _split(normalize_axes(axis_name), secondary_axis)
   return _map_sharded(lambda s: _leaf_stages(s, stages, options), sharded)
 
 

@@ -11,9 +11,9 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll._src import axes as axes_lib
 from jaxcoll._src.collectives import all_reduce
 from jaxcoll._src.integrations import fsdp
+from jaxcoll.tools import axis_size, normalize_axes
 
 
 class State(NamedTuple):
@@ -68,7 +68,7 @@ def _run(ts: TrainStep, state: State, batch):
   options = dict(ts.gather_options)
 
   def body(state: State, batch):
-    n = axes_lib.size(axes_lib.normalize(ts.axis_name))
+    n = axis_size(normalize_axes(ts.axis_name))
 
     def loss(shards):
       params = fsdp.gather(shards, ts.axis_name, **options) if ts.gather_params else shards

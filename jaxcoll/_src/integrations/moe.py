@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcoll._src import axes as axes_lib
 from jaxcoll._src.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from jaxcoll._src.integrations.moe_cost import ALLGATHER, explain_moe
+from jaxcoll.tools import axis_size, axis_sizes, normalize_axes
 
 
 def capacity(tokens: int, num_experts: int, k: int, factor: float = 1.0, *,
@@ -251,8 +251,8 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
     ``(expert_inputs [E/N, N * C, d], state)``: for each local expert, C slots from each
     source device in device order (empty slots are zero), and a :class:`RoutingState`.
   """
-  axes = axes_lib.normalize(axis_name)
-  n = axes_lib.size(axes)
+  axes = normalize_axes(axis_name)
+  n = axis_size(axes)
   x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
   _check(x, expert_ids, num_experts, capacity, n)
   local = num_experts // n
@@ -264,7 +264,7 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
     if not isinstance(chunk, (int, np.integer)) or not 1 <= chunk <= capacity:
       raise ValueError(f"dispatch: chunk={chunk!r} must be an int in [1, T * k = {capacity}]")
   if isinstance(algorithm, str) and algorithm == "auto":
-    sizes = dict(zip(axes, axes_lib.sizes(axes)))
+    sizes = dict(zip(axes, axis_sizes(axes)))
     plan = explain_moe(x, k, num_experts=num_experts, capacity=chunk if dropless else capacity,
                        mesh=sizes, axis_name=axes, wire_dtype=wire_dtype)
     algorithm = ALLGATHER if plan.chosen == ALLGATHER else "auto"
@@ -293,8 +293,8 @@ def _gathered_table(expert_ids, state: RoutingState):
   """The ring of experts' slot table ``[N, E/N, C]``: for each source device, its pairs
   routed to this device's experts, numbered over every device's pairs (source * T * k +
   t * k + j; N * T * k where empty). Slots are the source's own (:func:`_slots`)."""
-  axes = axes_lib.normalize(state.axis_name)
-  n = axes_lib.size(axes)
+  axes = normalize_axes(state.axis_name)
+  n = axis_size(axes)
   t, k = expert_ids.shape
   local = state.num_experts // n
   ids = all_gather(expert_ids.astype(jnp.int32), state.axis_name)       # [N, T, k]
@@ -315,8 +315,8 @@ def combine(expert_outputs, state: RoutingState, gates, *, wire_dtype=None):
   dtype unless ``wire_dtype`` compresses it too (DeepEP keeps combine in bfloat16: the
   default, None, keeps the activations' precision); its algorithm is the dispatch's.
   """
-  axes = axes_lib.normalize(state.axis_name)
-  n = axes_lib.size(axes)
+  axes = normalize_axes(state.axis_name)
+  n = axis_size(axes)
   local, c = state.num_experts // n, state.capacity
   y = jnp.asarray(expert_outputs)
   if y.shape[:2] != (local, n * c):

@@ -30,10 +30,10 @@ import math
 import jax
 import numpy as np
 
-from jaxcoll._src.dispatch import NATIVE_MARGIN
-from jaxcoll._src.explain import Explanation, explain, fmt_bytes, fmt_seconds, mesh_shape
+from jaxcoll._src.explain import Explanation, explain
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.table import Table
+from jaxcoll.tools import NATIVE_MARGIN, format_seconds, format_size, mesh_shape
 
 ALL_TO_ALL, ALLGATHER = "all_to_all", "allgather"
 
@@ -76,9 +76,10 @@ class MoEExplanation:
     for formulation in (ALL_TO_ALL, ALLGATHER):
       for c in (c for c in self.calls if c.formulation == formulation):
         e = c.explanation
-        rows.append((formulation, c.phase, e.primitive, fmt_bytes(e.nbytes), e.wire_dtype or "-",
-                     e.chosen, fmt_seconds(e.predicted_s), ""))
-      rows.append((formulation, "total", "", "", "", "", fmt_seconds(self.predicted_s(formulation)),
+        rows.append((formulation, c.phase, e.primitive, format_size(e.nbytes), e.wire_dtype or "-",
+                     e.chosen, format_seconds(e.predicted_s), ""))
+      total = format_seconds(self.predicted_s(formulation))
+      rows.append((formulation, "total", "", "", "", "", total,
                    "<- auto" if formulation == self.chosen else ""))
     return Table.of(title, ("formulation", "phase", "collective", "M", "wire", "algorithm",
                             "predicted", ""), rows)

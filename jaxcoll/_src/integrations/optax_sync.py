@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.integrations.per_device import PerDevice
 from jaxcoll._src.integrations.sync import BUCKET_BYTES, FIRST_BUCKET_BYTES, sync_gradients
+from jaxcoll.tools import compresses, wire_format
 
 try:
   from optax import GradientTransformation
@@ -50,7 +50,7 @@ def sync(axis_name, *, op: str = "mean", wire_dtype=None, error_feedback: bool =
   format does not compress keep e = 0. Call ``update`` inside shard_map (or a step under
   :func:`jaxcoll.data_parallel`).
   """
-  fmt = wire_lib.wire_format(wire_dtype, jnp.float32)
+  fmt = wire_format(wire_dtype, jnp.float32)
   feedback = fmt is not None and error_feedback
   options = dict(op=op, bucket_bytes=bucket_bytes, first_bucket_bytes=first_bucket_bytes,
                  algorithm=algorithm, wire_dtype=wire_dtype, accumulate_dtype=accumulate_dtype)
@@ -70,12 +70,12 @@ def sync(axis_name, *, op: str = "mean", wire_dtype=None, error_feedback: bool =
                        "jaxcoll.data_parallel, which unstack them")
 
     def corrected(g, e):
-      return g + e.astype(g.dtype) if wire_lib.compresses(wire_dtype, g.dtype) else g
+      return g + e.astype(g.dtype) if compresses(wire_dtype, g.dtype) else g
 
     sent = jax.tree.map(corrected, updates, state.residual.value)
     residual = jax.tree.map(
         lambda c, e: (c - fmt.round_trip(c)).astype(e.dtype)
-        if wire_lib.compresses(wire_dtype, c.dtype) else e, sent, state.residual.value)
+        if compresses(wire_dtype, c.dtype) else e, sent, state.residual.value)
     return sync_gradients(sent, axis_name, **options), SyncState(PerDevice(residual))
 
   return GradientTransformation(init, update)

@@ -28,12 +28,13 @@ import jax
 import numpy as np
 from jax import lax
 
-from jaxcoll._src import collectives, compat
-from jaxcoll._src import config as config_lib
-from jaxcoll._src import wire as wire_lib
-from jaxcoll._src.algorithms import HIERARCHICAL, algorithms
+from jaxcoll._src import compat
+from jaxcoll._src.algorithms import algorithms
+from jaxcoll._src.collectives import all_gather, all_reduce, all_to_all, reduce_scatter, shift
+from jaxcoll._src.config import config
 from jaxcoll._src.profile import Profile
-from jaxcoll._src.schedule import PRIMITIVES
+from jaxcoll._src.spec import PRIMITIVES
+from jaxcoll.tools import check_choice, compresses, wire_format
 
 
 class _Options:
@@ -42,7 +43,7 @@ class _Options:
   def __init__(self, algorithm, wire_dtype, profile):
     if isinstance(algorithm, Mapping):
       for p, a in algorithm.items():
-        config_lib.check_choice(p, a, "use(algorithm=...)")
+        check_choice(p, a, "use(algorithm=...)")
       self.algorithm = dict(algorithm)
     elif isinstance(algorithm, str):
       if algorithm != "auto" and not any(algorithm in algorithms(p) for p in PRIMITIVES):
@@ -53,8 +54,8 @@ class _Options:
     else:
       raise ValueError(f"use(algorithm={algorithm!r}): expected 'auto', a name or a mapping "
                        "{primitive: algorithm}")
-    self.wire = None if wire_dtype is None else wire_lib.wire_format(wire_dtype, np.float32)
-    self.profile = Profile.preset(profile) if isinstance(profile, str) else profile
+    self.wire = None if wire_dtype is None else wire_format(wire_dtype, np.float32)
+    self.profile = None if profile is None else Profile.resolve(profile, "use(profile=...)")
 
   def algorithm_for(self, primitive: str, axes: tuple[str, ...]):
     """A name applies to each primitive that offers it (hierarchical: over two axes or more);
@@ -62,13 +63,13 @@ class _Options:
     if isinstance(self.algorithm, dict):
       return self.algorithm.get(primitive, "auto")
     name = self.algorithm
-    if name not in algorithms(primitive) or (name == HIERARCHICAL and len(axes) < 2):
+    if name not in algorithms(primitive, num_axes=len(axes)):
       return "auto"
     return name
 
   def wire_for(self, x) -> dict:
     """``wire_dtype=`` for a leaf the format compresses (the rest travel as they are)."""
-    return {"wire_dtype": self.wire.name} if self.wire and wire_lib.compresses(
+    return {"wire_dtype": self.wire.name} if self.wire and compresses(
         self.wire.name, x.dtype) else {}
 
 
@@ -90,7 +91,7 @@ def _reduce(op: str):
     axes = _manual(params, "axes")
     if axes is None:
       return None
-    return [collectives.all_reduce(x, axes, op=op, **opts.wire_for(x),
+    return [all_reduce(x, axes, op=op, **opts.wire_for(x),
                                    algorithm=opts.algorithm_for("all_reduce", axes))
             for x in invals]
   return rule
@@ -102,7 +103,7 @@ def _all_gather(to: str):
     if axes is None:
       return None
     (x,) = invals
-    return [collectives.all_gather(x, axes, axis=params["all_gather_dimension"],
+    return [all_gather(x, axes, axis=params["all_gather_dimension"],
                                    tiled=params["tiled"], to=to, **opts.wire_for(x),
                                    algorithm=opts.algorithm_for("all_gather", axes))]
   return rule
@@ -113,7 +114,7 @@ def _reduce_scatter(opts, invals, params):
   if axes is None:
     return None
   (x,) = invals
-  return [collectives.reduce_scatter(x, axes, scatter_dimension=params["scatter_dimension"],
+  return [reduce_scatter(x, axes, scatter_dimension=params["scatter_dimension"],
                                      tiled=params["tiled"], **opts.wire_for(x),
                                      algorithm=opts.algorithm_for("reduce_scatter", axes))]
 
@@ -125,7 +126,7 @@ def _all_to_all(opts, invals, params):
   if axes is None:
     return None
   (x,) = invals
-  return [collectives.all_to_all(x, axes, params["split_axis"], params["concat_axis"],
+  return [all_to_all(x, axes, params["split_axis"], params["concat_axis"],
                                  tiled=True, algorithm=opts.algorithm_for("all_to_all", axes))]
 
 
@@ -154,7 +155,7 @@ def _ppermute(opts, invals, params):
     return None
   offset, wrap = found
   (x,) = invals
-  return [collectives.shift(x, axes, offset, wrap=wrap,
+  return [shift(x, axes, offset, wrap=wrap,
                             algorithm=opts.algorithm_for("shift", axes))]
 
 
@@ -325,7 +326,7 @@ def rewrite(fun: Callable, opts: _Options) -> Callable:
       return fun(*a, **k)
 
     closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat)
-    with config_lib.config() if opts.profile is None else config_lib.config(profile=opts.profile):
+    with config() if opts.profile is None else config(profile=opts.profile):
       out = eval_jaxpr(opts, closed.jaxpr, closed.consts, flat)
     return jax.tree.unflatten(jax.tree.structure(out_shape), out)
   return wrapped
@@ -352,8 +353,9 @@ def use(fun: Callable | None = None, *, algorithm="auto", wire_dtype=None, profi
       mapping ``{primitive: algorithm}`` (unnamed primitives: "auto").
     wire_dtype: compress every floating all_reduce, reduce_scatter and all_gather
       (``jaxcoll.WIRE_DTYPES``); None sends values as they are.
-    profile: the cost model's :class:`jaxcoll.Profile` (or preset name) while ``fun`` is
-      traced; None keeps ``jaxcoll.config``'s.
+    profile: the cost model's :class:`jaxcoll.Profile` (or preset name, or profile JSON path:
+      :meth:`jaxcoll.Profile.resolve`) while ``fun`` is traced; None keeps
+      ``jaxcoll.config``'s.
 
   Collectives that XLA inserts by itself under ``jax.jit`` sharding propagation do not
   appear in a jaxpr; write the step with ``jax.shard_map`` to make them visible.

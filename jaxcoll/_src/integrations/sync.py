@@ -22,12 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcoll._src import axes as axes_lib
-from jaxcoll._src import ops
-from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.collectives import all_reduce
 from jaxcoll._src.integrations import buckets
-from jaxcoll._src.replicated import check_vma_enabled, make_varying
+from jaxcoll.tools import check_op, check_vma_enabled, compresses, make_varying, normalize_axes
 
 BUCKET_BYTES = 25 * 2**20       # DDP's bucket_cap_mb=25
 FIRST_BUCKET_BYTES = 2**20      # DDP's first bucket (1 MB), so the first reduce starts early
@@ -41,7 +38,7 @@ def _check_leaves(tree, axes, op: str, argument: str) -> list:
     leaf = jnp.asarray(leaf)
     where = f"{argument}{jax.tree_util.keystr(path)}"
     try:
-      ops.check_op(op, leaf.dtype)
+      check_op(op, leaf.dtype)
     except ValueError as e:
       raise ValueError(f"{where} (dtype {leaf.dtype}): {e}") from None
     if vma and not set(axes) <= set(jax.typeof(leaf).mat.varying):
@@ -59,7 +56,7 @@ def _reduce_bucket(bucket: buckets.Bucket, leaves, out, axis_name, op, algorithm
   floating = jnp.issubdtype(bucket.dtype, jnp.floating)
   synced = all_reduce(
       buckets.pack(bucket, leaves), axis_name, op=op, algorithm=algorithm,
-      wire_dtype=wire_dtype if wire_lib.compresses(wire_dtype, bucket.dtype) else None,
+      wire_dtype=wire_dtype if compresses(wire_dtype, bucket.dtype) else None,
       accumulate_dtype=accumulate_dtype if floating else None)
   buckets.unpack(bucket, synced, out)
 
@@ -91,7 +88,7 @@ def sync_gradients(grads, axis_name, *, op: str = "mean", bucket_bytes: int = BU
     accumulate_dtype: e.g. "float32" for bfloat16 gradients (Megatron's
       ``grad_reduce_in_fp32``); applies to floating buckets.
   """
-  axes = axes_lib.normalize(axis_name)
+  axes = normalize_axes(axis_name)
   leaves = _check_leaves(grads, axes, op, "grads")
   out = list(leaves)
   for bucket in buckets.plan(leaves, bucket_bytes, first_bucket_bytes):
@@ -111,13 +108,13 @@ def sync_in_backward(params, axis_name, *, op: str = "mean", bucket_bytes: int =
   leave typed varying (so jax adds no sum of its own) and their gradients come back with
   the parameters' own typing (invariant for replicated parameters).
   """
-  axes = axes_lib.normalize(axis_name)
+  axes = normalize_axes(axis_name)
   leaves = [jnp.asarray(x) for x in jax.tree.leaves(params)]
   options = (("op", op), ("algorithm", algorithm), ("wire_dtype", wire_dtype),
              ("accumulate_dtype", None if accumulate_dtype is None
               else np.dtype(accumulate_dtype).name))
   for leaf in leaves:
-    ops.check_op(op, leaf.dtype)
+    check_op(op, leaf.dtype)
   out = list(leaves)
   # only inexact leaves have cotangents (integers get float0 ones, nothing to sync)
   inexact = [x if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.zeros((0,), x.dtype)
@@ -135,7 +132,7 @@ def sync_in_backward(params, axis_name, *, op: str = "mean", bucket_bytes: int =
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _synced_identity(xs, axis_name, options, varying):
-  axes = axes_lib.normalize(axis_name)
+  axes = normalize_axes(axis_name)
   return tuple(make_varying(x, axes) if check_vma_enabled(axes) else x for x in xs)
 
 
@@ -144,7 +141,7 @@ def _synced_identity_fwd(xs, axis_name, options, varying):
 
 
 def _synced_identity_bwd(axis_name, options, varying, _, cts):
-  axes = axes_lib.normalize(axis_name)
+  axes = normalize_axes(axis_name)
   cts = list(cts)
   out = list(cts)
   opts = dict(options)
