@@ -4,6 +4,7 @@ Importing the package registers every family (order = order of ``algorithms()``)
 """
 
 from jaxcoll._src.algorithms import bruck as _bruck  # noqa: F401
+from jaxcoll._src.algorithms import chain as _chain  # noqa: F401
 from jaxcoll._src.algorithms import direct as _direct  # noqa: F401
 from jaxcoll._src.algorithms import halving_doubling as _hd  # noqa: F401
 from jaxcoll._src.algorithms import hierarchical as _hier  # noqa: F401
