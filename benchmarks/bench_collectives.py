@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcoll  # noqa: E402
-from jaxcoll.tools import format_size, parse_size  # noqa: E402
+from jaxcoll.tools import format_seconds, format_size, parse_size  # noqa: E402
 
 N_DEVICES = 8
 DTYPE = np.float32
@@ -62,14 +62,6 @@ HLO_OPS = ("collective-permute", "dynamic-update-slice", "dynamic-slice", "fusio
 
 
 # ----------------------------------------------------------------------------- sizes and units
-
-def fmt_time(seconds: float) -> str:
-  if seconds < 1e-3:
-    return f"{seconds * 1e6:.1f} us"
-  if seconds < 1:
-    return f"{seconds * 1e3:.2f} ms"
-  return f"{seconds:.3f} s"
-
 
 def allocator() -> str:
   preload = os.environ.get("LD_PRELOAD", "")
@@ -354,8 +346,8 @@ def run_benchmark(args, mesh) -> int:
                    "times_s": times[s, algo], "median_s": t, "algbw_GBps": algbw,
                    "busbw_GBps": algbw * factor, "x_native": t / native_t,
                    "first_call_s": compile_s[s, algo], "max_abs_err_vs_native": errors[s, algo]})
-      print(f"| {format_size(s)} | {algo} | {fmt_time(t)} | {algbw:.3f} | {algbw * factor:.3f} | "
-            f"{t / native_t:.2f} |")
+      print(f"| {format_size(s)} | {algo} | {format_seconds(t)} | {algbw:.3f} | "
+            f"{algbw * factor:.3f} | {t / native_t:.2f} |")
 
   tol = 1e-4 * max(1.0, np.sqrt(n))
   bad = [(s, a, e) for (s, a), e in errors.items() if not e <= tol]

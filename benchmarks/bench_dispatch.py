@@ -23,13 +23,9 @@ import statistics
 import time
 
 from jaxcoll import tools
-from jaxcoll.tools import format_size, parse_size
+from jaxcoll.tools import format_seconds, format_size, parse_size
 
 SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
-
-
-def fmt_time(s: float) -> str:
-  return f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} us"
 
 
 def _elements(primitive: str, nbytes: int) -> int:
@@ -99,9 +95,9 @@ def child(args) -> int:
     best_label, best_t = min(((k[1], t) for k, t in median.items() if k[0] == s),
                              key=lambda kv: kv[1])
     ratios.append(auto_t / best_t)
-    print(f"| {format_size(s)} | {auto_label} | {fmt_time(auto_t)} | {best_label} "
-          f"({fmt_time(best_t)}) | {auto_t / best_t:.2f} | {auto_t / median[s, 'native']:.2f} "
-          f"| {pick.predicted_s / auto_t:.2f} |")
+    print(f"| {format_size(s)} | {auto_label} | {format_seconds(auto_t)} | {best_label} "
+          f"({format_seconds(best_t)}) | {auto_t / best_t:.2f} | "
+          f"{auto_t / median[s, 'native']:.2f} | {pick.predicted_s / auto_t:.2f} |")
   print(f"\nauto / fastest: median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}")
   print("\nEvery algorithm (median time / native's):\n")
   labels = sorted({k[1] for k in median}, key=lambda a: (a != "native", a))
@@ -111,7 +107,7 @@ def child(args) -> int:
     cells = []
     for a in labels:
       t = median.get((s, a))
-      cells.append("-" if t is None else (fmt_time(t) if a == "native"
+      cells.append("-" if t is None else (format_seconds(t) if a == "native"
                                           else f"{t / median[s, 'native']:.2f}x"))
     print(f"| {format_size(s)} | " + " | ".join(cells) + " |")
   print("\nEvery algorithm, predicted / measured time:\n")

@@ -44,7 +44,6 @@ from jaxcoll import tools
 from jaxcoll.tools import NATIVE, format_size, parse_size
 
 OPS = tools.primitives(timed=True)   # the collectives with a bus factor
-BUS_FACTOR = {op: tools.spec(op).bus_factor for op in OPS}
 # nccl-tests' -d names (and numpy's): "float" is float32 there, float64 in numpy
 DTYPES = {"int8": "int8", "char": "int8", "uint8": "uint8", "int32": "int32", "int": "int32",
           "uint32": "uint32", "int64": "int64", "uint64": "uint64", "half": "float16",

@@ -35,6 +35,15 @@ def test_sizes_parse_like_nccl_tests():
     bench.size_sweep(8, 64, 1)
 
 
+# nccl-tests' bus bandwidth factors (PERFORMANCE.md), written independently of jaxcoll.spec
+NCCL_BUS_FACTOR = {"all_reduce": 2 * 7 / 8, "reduce_scatter": 7 / 8, "all_gather": 7 / 8,
+                   "all_to_all": 7 / 8, "broadcast": 1.0, "reduce": 1.0}
+
+
+def test_bench_measures_every_collective_nccl_tests_does():
+  assert set(bench.OPS) == set(NCCL_BUS_FACTOR)
+
+
 @pytest.mark.parametrize("op", bench.OPS)
 def test_every_algorithm_checks_clean_and_busbw_uses_the_bus_factor(op):
   mesh = jax.make_mesh((2, 4), ("node", "local"))
@@ -45,7 +54,7 @@ def test_every_algorithm_checks_clean_and_busbw_uses_the_bus_factor(op):
   for r in rows:
     assert r.wrong == 0, r
     assert r.size in (96, 4096)   # 100 rounds down to a multiple of 8 devices x 4 bytes
-    assert r.busbw_gbs == pytest.approx(r.algbw_gbs * bench.BUS_FACTOR[op](8))
+    assert r.busbw_gbs == pytest.approx(r.algbw_gbs * NCCL_BUS_FACTOR[op])
     assert r.predicted_us is not None and r.predicted_us > 0
     assert r.count * 4 * (8 if op == "all_gather" else 1) == r.size
 

@@ -50,20 +50,20 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src import compat, cost, timing, topology
+from jaxcoll._src import spec as spec_lib
 from jaxcoll._src.algorithms import Algorithm, call_options, entries, schedule
 from jaxcoll._src.collectives import flat_call
 from jaxcoll._src.profile import ANY_AXIS, FRESH_THRESHOLD, Link, NativeTimes, Profile
-from jaxcoll._src.spec import PRIMITIVES, primitives
 from jaxcoll._src.topology import CLASSES
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
-NATIVE_PRIMITIVES = primitives(timed=True)
+NATIVE_PRIMITIVES = spec_lib.primitives(timed=True)
 
 
 def fit_algorithms(num_axes: int) -> tuple[Algorithm, ...]:
   """The schedules calibrate times and fits to over ``num_axes`` axes: those registered
   ``fit=True`` that run on them."""
-  return tuple(a for p in PRIMITIVES for a in entries(p, num_axes=num_axes, fit=True))
+  return tuple(a for p in spec_lib.PRIMITIVES for a in entries(p, num_axes=num_axes, fit=True))
 
 
 def _fit(rows: Sequence[Sequence[float]], times: Sequence[float],
@@ -178,7 +178,7 @@ def measure(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DEFA
       raise ValueError(f"sizes: {s} must be a positive multiple of 4 * {devices} bytes")
   spec = P(mesh.axis_names)
   sharding = NamedSharding(mesh, spec)
-  _input_for = lambda primitive, s: s // devices if primitive == "all_gather" else s
+  _input_for = lambda primitive, s: int(spec_lib.spec(primitive).input_bytes(s, devices))
   groups = [axes] + ([(a,) for a in axes] if len(axes) > 1 else [])
   fitted = fit_algorithms(len(axes))
 

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import math
 
-from jaxcoll._src.spec import spec
-
 
 def row_length(schedule, size: int, multiple: int = 1) -> int:
   """Elements per chunk for a message of ``size`` elements (the piece, for all_gather),
   rounded up to a multiple of ``multiple`` (the block of a compressed wire format)."""
-  b, kind = schedule.blocks_per_rank, _kind(schedule)
+  b, kind = schedule.blocks_per_rank, schedule.layout
   if kind in ("scatter", "exchange"):
     length = math.ceil(size // schedule.axis_size / b)
   elif kind == "pair":
@@ -32,10 +30,6 @@ def row_length(schedule, size: int, multiple: int = 1) -> int:
   else:
     length = math.ceil(size / schedule.num_chunks)
   return -(-length // multiple) * multiple
-
-
-def _kind(schedule) -> str:
-  return spec(schedule.primitive).layout
 
 
 def pad_to(xp, flat, length: int):
@@ -73,7 +67,7 @@ def to_rows(xp, flat, schedule, rank: int | None = None, multiple: int = 1):
   """
   c = schedule.num_chunks
   size = flat.shape[0]
-  length, kind = row_length(schedule, size, multiple), _kind(schedule)
+  length, kind = row_length(schedule, size, multiple), schedule.layout
   if kind == "gather":
     own = block(xp, flat, schedule, length)
     if rank is None:   # every row is received later: start from the data, not from zeros
@@ -102,7 +96,7 @@ def from_rows(xp, rows, schedule, size: int, rank: int | None = None):
   For reduce_scatter with ``rank=None`` the caller passes the rank's own ``b``
   rows (already sliced out) instead of the whole buffer.
   """
-  n, kind = schedule.axis_size, _kind(schedule)
+  n, kind = schedule.axis_size, schedule.layout
   if kind == "gather":
     return rows.reshape(n, -1)[:, :size].reshape(-1)
   if kind == "exchange":
@@ -121,7 +115,7 @@ def place_own(xp, rows, flat, schedule, rank):
   "gather" puts its piece in block r, "exchange" copies input block r to output block r;
   the rest start as :func:`to_rows` left them. ``xp`` is jax.numpy; the slices are lax's."""
   from jax import lax  # the one jax-only hook: NumPy callers pass a concrete rank instead
-  b, kind = schedule.blocks_per_rank, _kind(schedule)
+  b, kind = schedule.blocks_per_rank, schedule.layout
   if kind == "gather":
     piece = block(xp, flat, schedule, rows.shape[1])
     return lax.dynamic_update_slice_in_dim(rows, piece, rank * b, axis=0)

@@ -23,7 +23,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from jaxcoll._src.spec import PRIMITIVES
+from jaxcoll._src.spec import PRIMITIVES, spec
 
 Combine = Literal["reduce", "copy"]
 
@@ -294,19 +294,19 @@ class Schedule:
   def __post_init__(self):
     if self.primitive not in PRIMITIVES:
       raise ValueError(f"unknown primitive {self.primitive!r}; expected one of {PRIMITIVES}")
-    n, c = self.axis_size, self.num_chunks
+    n, c, kind = self.axis_size, self.num_chunks, self.layout
     if not self.axis_sizes:
       object.__setattr__(self, "axis_sizes", (n,))
     if int(np.prod(self.axis_sizes)) != n:
       raise ValueError(f"axis_sizes {self.axis_sizes} do not multiply to axis_size {n}")
-    if self.primitive in ("reduce_scatter", "all_gather") and c % n:
+    if spec(self.primitive).blocked and c % n:
       raise ValueError(f"{self.primitive} schedules need num_chunks divisible by axis_size")
-    if self.primitive == "all_to_all" and (c - self.workspace_chunks) % (2 * n):
+    if kind == "exchange" and (c - self.workspace_chunks) % (2 * n):
       raise ValueError("all_to_all schedules need num_chunks - workspace_chunks divisible by "
                        "2 * axis_size")
-    if self.primitive == "shift" and c != 2:
+    if kind == "pair" and c != 2:
       raise ValueError("shift schedules have 2 chunks: input and output")
-    if self.workspace_chunks and self.primitive != "all_to_all":
+    if self.workspace_chunks and kind != "exchange":
       raise ValueError("only all_to_all schedules have workspace_chunks")
     for step in self.steps:
       for t in step.transfers:
@@ -322,18 +322,23 @@ class Schedule:
     return len(self.steps)
 
   @property
+  def layout(self) -> str:
+    """How the buffer's rows are laid out: the primitive's :attr:`CollectiveSpec.layout`."""
+    return spec(self.primitive).layout
+
+  @property
   def blocks_per_rank(self) -> int:
     """Chunks per rank's block (reduce_scatter, all_gather, all_to_all)."""
-    if self.primitive == "all_to_all":
+    if self.layout == "exchange":
       return (self.num_chunks - self.workspace_chunks) // (2 * self.axis_size)
     return self.num_chunks // self.axis_size
 
   @property
   def message_chunks(self) -> int:
     """How many chunks the M-byte message spans (the unit of ``bytes_per_rank``)."""
-    if self.primitive == "all_to_all":
+    if self.layout == "exchange":
       return self.axis_size * self.blocks_per_rank
-    return 1 if self.primitive == "shift" else self.num_chunks
+    return 1 if self.layout == "pair" else self.num_chunks
 
   @functools.cached_property
   def chunks_sent(self) -> np.ndarray:
@@ -465,6 +470,6 @@ class Schedule:
         dst, rows = t.dst[:, None], t.recv_chunks
         buf[dst, rows] = combine(buf[dst, rows], data) if t.combine == "reduce" else data
     out = [layout.from_rows(np, buf[r], self, size, rank=r) for r in range(n)]
-    if self.primitive == "reduce":
+    if spec(self.primitive).rooted and spec(self.primitive).reduces:   # only the root keeps it
       out = [o if r == self.root else np.zeros_like(o) for r, o in enumerate(out)]
     return out

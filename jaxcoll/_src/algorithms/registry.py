@@ -129,9 +129,9 @@ def call_options(primitive: str, name: str, axis_sizes: Sequence[int], options=N
   options = dict(options or {})
   if algo.num_axes > 1:
     if len(axis_sizes) < algo.num_axes:
-      raise ValueError(f"algorithm={name!r} runs over a tuple of at least {algo.num_axes} "
-                       f"mesh axes (outer, ..., inner); axis_name names {len(axis_sizes)} "
-                       f"axis of size {tuple(axis_sizes)}")
+      raise ValueError(f"algorithm={name!r} runs over a tuple of mesh axes (outer, ..., inner), "
+                       f"at least {algo.num_axes}; axis_name names {len(axis_sizes)}, of "
+                       f"size(s) {tuple(axis_sizes)}")
     options = {"axis_sizes": tuple(axis_sizes), **options}
   return options
 
