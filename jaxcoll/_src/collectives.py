@@ -65,11 +65,10 @@ def _replicated(y, axes):
 _scopes: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_scopes", default=None)
 
 
-def _resolve(primitive, algorithm, axes, x, nbytes=None, accumulate=None, wire=None):
-  """The algorithm and schedule options for leaf ``x`` (M = ``nbytes``, default x's bytes);
+def _resolve(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None):
+  """The algorithm and schedule options for leaf ``x`` whose message is M = ``nbytes``;
   the rest of the leaf's trace runs under ``jax.named_scope("jaxcoll.<primitive>.<algo>")``
   (:func:`_map_leaves` holds the scope)."""
-  nbytes = x.nbytes if nbytes is None else nbytes
   scale = ops.partial_sum_scale(x.dtype, accumulate)
   sizes = axes_lib.sizes(axes)
   compressed = wire is not None and np.prod(sizes) > 1
