@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import jaxcoll
 from jaxcoll._src import layout
+from tests.helpers import numpy_reference
 
 SIZES = range(1, 9)
 SCHEDULED = [(p, a) for p in jaxcoll.PRIMITIVES for a in jaxcoll.algorithms(p) if a != "native"]
@@ -74,25 +75,6 @@ def inputs(primitive: str, n: int, k: int, seed: int) -> list[np.ndarray]:
           for _ in range(n)]
 
 
-def reference(primitive: str, xs: list[np.ndarray], root: int) -> list[np.ndarray]:
-  """Plain NumPy: what every rank ends with (reduce: only the root's result is defined)."""
-  n = len(xs)
-  total = np.sum(xs, axis=0)
-  if primitive in ("all_reduce", "reduce"):
-    return [total] * n
-  if primitive == "reduce_scatter":
-    return list(total.reshape(n, -1))
-  if primitive == "all_gather":
-    return [np.concatenate(xs)] * n
-  if primitive == "broadcast":
-    return [xs[root]] * n
-  if primitive == "all_to_all":
-    return [np.concatenate([x.reshape(n, -1)[r] for x in xs]) for r in range(n)]
-  if primitive == "shift":
-    return [xs[(r - 1) % n] for r in range(n)]
-  raise ValueError(primitive)
-
-
 def exchange(sched, start: list[np.ndarray]) -> list[np.ndarray]:
   """Every rank's final [C, L] buffer from the starting ones, moving whole rows in NumPy
   as the collective does: reduce the rows, copy blocks into place, or take the root's."""
@@ -128,7 +110,7 @@ def check_round_trip(sched, k: int, seed: int, multiple: int = 1):
     assert rows.shape == (sched.num_chunks, length)
     assert rows.dtype == xs[0].dtype
   final = exchange(sched, start)
-  want = reference(prim, xs, sched.root)
+  want = numpy_reference(prim, xs, sched.root)
   ranks = [sched.root] if prim == "reduce" else range(n)
   for r in ranks:
     got = layout.from_rows(np, final[r], sched, size, rank=r)

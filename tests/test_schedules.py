@@ -14,31 +14,13 @@ import jaxcoll
 from jaxcoll._src.algorithms import entry
 from jaxcoll._src.algorithms.trees import double_binary_trees
 from jaxcoll._src.schedule import Messages, Step, Transfer
+from tests.helpers import numpy_reference
 
 SIZES = range(1, 9)
 SCHEDULED = [(p, a) for p in jaxcoll.PRIMITIVES for a in jaxcoll.algorithms(p)
              if a not in ("native", "hierarchical")]
 HIERARCHICAL = [p for p in jaxcoll.PRIMITIVES if "hierarchical" in jaxcoll.algorithms(p)]
 SHAPES = [(2, 4), (4, 2), (2, 3), (3, 2), (2, 2, 2), (1, 4), (3, 1, 2), (2, 5), (4, 4), (2, 2, 3)]
-
-
-def reference(primitive, xs, root, op="sum"):
-  n = len(xs)
-  if primitive == "all_to_all":
-    return [np.concatenate([x.reshape(n, -1)[r] for x in xs]) for r in range(n)]
-  if primitive == "shift":
-    return [xs[(r - 1) % n] for r in range(n)]
-  fn = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max}[op]
-  total = fn(np.stack(xs), axis=0)
-  if primitive == "all_reduce":
-    return [total] * n
-  if primitive == "reduce_scatter":
-    return list(total.reshape(n, -1))
-  if primitive == "all_gather":
-    return [np.concatenate(xs)] * n
-  if primitive == "broadcast":
-    return [xs[root]] * n
-  return [total if r == root else np.zeros_like(total) for r in range(n)]
 
 
 @pytest.mark.parametrize("primitive,algorithm", SCHEDULED)
@@ -51,7 +33,7 @@ def test_simulate_matches_reference(primitive, algorithm, n, op):
   for root in roots:
     sched = jaxcoll.schedule(primitive, algorithm, n, root=root)
     xs = [rng.integers(-3, 4, size).astype(np.int64) for _ in range(n)]
-    for got, want in zip(sched.simulate(xs, op=op), reference(primitive, xs, root, op)):
+    for got, want in zip(sched.simulate(xs, op=op), numpy_reference(primitive, xs, root, op)):
       np.testing.assert_array_equal(got, want)
 
 
@@ -63,7 +45,7 @@ def test_simulate_any_size(primitive, algorithm, n, length):
   xs = [rng.integers(-100, 100, size).astype(np.int32) for _ in range(n)]
   root = n - 1 if primitive in ("broadcast", "reduce") else 0
   sched = jaxcoll.schedule(primitive, algorithm, n, root=root)
-  for got, want in zip(sched.simulate(xs), reference(primitive, xs, root)):
+  for got, want in zip(sched.simulate(xs), numpy_reference(primitive, xs, root)):
     np.testing.assert_array_equal(got, want)
 
 
@@ -212,7 +194,7 @@ def test_builds_and_simulates_at_4096_ranks(primitive, algorithm):
   rng = np.random.default_rng(0)
   xs = list(rng.integers(0, 4, (n, n if primitive != "all_gather" else 1)).astype(np.float32))
   out = sched.simulate(xs)
-  want = reference(primitive, xs, 0)
+  want = numpy_reference(primitive, xs, 0)
   for r in (0, 1, 2049, n - 1):
     np.testing.assert_array_equal(out[r], want[r])
 
@@ -313,7 +295,7 @@ def test_hierarchical_simulates_like_the_flat_collective(primitive, shape, op):
   sched = jaxcoll.schedule(primitive, "hierarchical", n, axis_sizes=shape)
   assert sched.axis_sizes == shape
   xs = [rng.integers(-9, 9, 2 * n).astype(np.int64) for _ in range(n)]
-  for got, want in zip(sched.simulate(xs, op=op), reference(primitive, xs, 0, op)):
+  for got, want in zip(sched.simulate(xs, op=op), numpy_reference(primitive, xs, 0, op)):
     np.testing.assert_array_equal(got, want)
 
 
