@@ -44,9 +44,9 @@ def check() -> None:
             dtype, n, op)
   fmt = jaxcoll.WireFormat("int8")
   acc = jnp.asarray(rng.standard_normal((64, 4096)), jnp.float32)
-  values, exps = kernels.encode(fmt, jnp.asarray(rng.standard_normal((64, 4096)), jnp.float32))
+  values, exps = fmt.encode(jnp.asarray(rng.standard_normal((64, 4096)), jnp.float32))
   got = kernels.fused_combine(acc, values, recv_exponents=exps, interpret=False)
-  assert np.array_equal(np.asarray(got), np.asarray(acc + kernels.decode(fmt, values, exps)))
+  assert np.array_equal(np.asarray(got), np.asarray(acc + fmt.decode(values, exps)))
   key = jax.random.key(0)
   got = kernels.fused_combine(acc, acc, out_dtype=jnp.bfloat16, rounding="stochastic", key=key,
                               interpret=False)

@@ -3,9 +3,9 @@
 ``fused_combine(acc, recv, ...)`` computes ``round(op(acc, decode(recv)) * scale)``
 in one pass, in place; ``fused_combine_reference`` is the same math in plain
 jax.numpy; ``stochastic_round`` is its unbiased rounding. The executor uses the
-kernel as ``jaxcoll.config(fused_kernel=...)`` says. ``encode(fmt, rows)`` makes a
-compressed chunk in a :class:`jaxcoll.WireFormat` (values and the ``recv_exponents`` the
-kernel takes), ``decode`` reads it back as every receiver does.
+kernel as ``jaxcoll.config(fused_kernel=...)`` says. :meth:`jaxcoll.WireFormat.encode`
+makes a compressed chunk (values and the ``recv_exponents`` the kernel takes);
+:meth:`jaxcoll.WireFormat.decode` reads it back as every receiver does.
 """
 
 from jaxcoll._src.fused_combine import (
@@ -14,7 +14,5 @@ from jaxcoll._src.fused_combine import (
   fused_combine_reference,
   stochastic_round,
 )
-from jaxcoll._src.wire import decode, encode
 
-__all__ = ("ROUNDINGS", "decode", "encode", "fused_combine", "fused_combine_reference",
-           "stochastic_round")
+__all__ = ("ROUNDINGS", "fused_combine", "fused_combine_reference", "stochastic_round")

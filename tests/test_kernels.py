@@ -10,7 +10,6 @@ import pytest
 
 import jaxcoll
 from jaxcoll import kernels
-from jaxcoll._src import wire
 from tests.helpers import count_primitive, iter_eqns, per_device
 
 pytestmark = pytest.mark.quick   # also on the oldest supported jax (.ci/run)
@@ -63,8 +62,8 @@ def test_decodes_a_block_scaled_wire_chunk():
   rng = np.random.default_rng(2)
   fmt = jaxcoll.WireFormat("int8", 128)
   acc = jnp.asarray(rng.standard_normal((4, 512)), jnp.float32)
-  values, exps = wire.encode(fmt, jnp.asarray(rng.standard_normal((4, 512)) * 1e3, jnp.float32))
-  want = np.asarray(acc) + np.asarray(wire.decode(fmt, values, exps))
+  values, exps = fmt.encode(jnp.asarray(rng.standard_normal((4, 512)) * 1e3, jnp.float32))
+  want = np.asarray(acc) + np.asarray(fmt.decode(values, exps))
   got = kernels.fused_combine(acc, values, recv_exponents=exps)
   np.testing.assert_array_equal(np.asarray(got), want)
 

@@ -72,10 +72,10 @@ def test_decode_encode_is_idempotent_and_within_its_bound(name, seed, log_block,
   shape = (3, 4 << log_block)
   x = adversarial(rng, shape, 1 << log_block) if spread else rng.standard_normal(shape).astype(
       np.float32)
-  values, exps = wire.encode(fmt, jnp.asarray(x))
+  values, exps = fmt.encode(jnp.asarray(x))
   assert values.dtype == fmt.dtype
-  decoded = np.asarray(wire.decode(fmt, values, exps))
-  again = np.asarray(wire.decode(fmt, *wire.encode(fmt, jnp.asarray(decoded))))
+  decoded = np.asarray(fmt.decode(values, exps))
+  again = np.asarray(fmt.decode(*fmt.encode(jnp.asarray(decoded))))
   np.testing.assert_array_equal(again.view(np.uint32), decoded.view(np.uint32))
   amax = np.abs(x).reshape(3, -1, 1 << log_block).max(-1, keepdims=True)
   err = np.abs(decoded - x).reshape(amax.shape[:-1] + (-1,))
@@ -87,7 +87,7 @@ def test_non_finite_blocks_decode_to_nan_and_zeros_stay_zero(name):
   fmt = jaxcoll.WireFormat(name, 4)
   x = jnp.asarray([[1.0, np.inf, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0, 5.0, np.nan, 1.0, 1.0]],
                   jnp.float32)
-  decoded = np.asarray(wire.decode(fmt, *wire.encode(fmt, x)))
+  decoded = np.asarray(fmt.decode(*fmt.encode(x)))
   assert np.isnan(decoded[0, :4]).all() and np.isnan(decoded[0, 8:]).all()
   np.testing.assert_array_equal(decoded[0, 4:8], 0.0)
 
@@ -95,7 +95,7 @@ def test_non_finite_blocks_decode_to_nan_and_zeros_stay_zero(name):
 def test_bfloat16_wire_keeps_non_finite_values():
   fmt = jaxcoll.WireFormat("bfloat16")
   x = jnp.asarray([[np.inf, -np.inf, 1.0, np.nan]], jnp.float32)
-  decoded = np.asarray(wire.decode(fmt, *wire.encode(fmt, x)))
+  decoded = np.asarray(fmt.decode(*fmt.encode(x)))
   assert decoded[0, 0] == np.inf and decoded[0, 1] == -np.inf and np.isnan(decoded[0, 3])
 
 

@@ -1,9 +1,8 @@
 """The one executor: any :class:`~jaxcoll._src.schedule.Schedule` as ppermute code.
 
-Every ``jax.lax.ppermute`` jaxcoll runs is called in this module, through :func:`ppermute`.
-The executor is not the only caller of :func:`ppermute`: :func:`jaxcoll._src.collectives.shift`
-calls it directly when its algorithm is native (``algorithm="native"``, or auto keeping
-native). The executor runs inside ``shard_map`` on one rank's buffer of rows ``[C, L]``;
+Every ``jax.lax.ppermute`` jaxcoll runs goes through :func:`ppermute` here: the executor's,
+and ``shift``'s when its algorithm is native (:mod:`jaxcoll._src.collectives` calls it
+directly then). The executor runs inside ``shard_map`` on one rank's buffer of rows ``[C, L]``;
 every rank runs the same code, and in a transfer that reaches some ranks only the others
 read some rows and write them back unchanged (a select, no scratch rows: a scratch row made
 every tree concatenate and slice the whole buffer; measured: docs/measurements.md#executor).
@@ -151,11 +150,11 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
     if wire is None:
       cast = p.combine == "copy" and copy_dtype is not None
       return rows, data.astype(copy_dtype) if cast else data
-    values, exponents = wire_lib.encode(wire, data)
+    values, exponents = wire.encode(data)
     message = wire_lib.pack(wire, values, exponents)
     if not p.sent_rows_reduced_into:
       return rows, message
-    kept = wire_lib.decode(wire, values, exponents)
+    kept = wire.decode(values, exponents)
     if p.senders is not None:   # ranks outside the permutation keep their rows
       kept = jnp.where(_lookup(np.asarray(p.senders), rank), kept, data)
     return _write(rows, index, kept.astype(rows.dtype), p.send_contiguous), message
@@ -170,7 +169,7 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
     if p.combine == "reduce" and fused:
       data = fused_combine(old, message, op=op, recv_exponents=exponents)
     else:
-      data = message if wire is None else wire_lib.decode(wire, message, exponents)
+      data = message if wire is None else wire.decode(message, exponents)
       if p.combine == "reduce":
         data = ops.combine(jnp, op, old, data)
     data = data.astype(rows.dtype)
@@ -200,5 +199,5 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
   if wire is not None and spec(schedule.primitive).replicated:
     # A rank that computed or sent a final value may hold v where the others hold
     # decode(encode(v)); one more pass (a fixed point for the rest) makes them agree.
-    rows = wire_lib.decode(wire, *wire_lib.encode(wire, rows)).astype(rows.dtype)
+    rows = wire.decode(*wire.encode(rows)).astype(rows.dtype)
   return rows

@@ -470,6 +470,7 @@ class Schedule:
         dst, rows = t.dst[:, None], t.recv_chunks
         buf[dst, rows] = combine(buf[dst, rows], data) if t.combine == "reduce" else data
     out = [layout.from_rows(np, buf[r], self, size, rank=r) for r in range(n)]
-    if spec(self.primitive).rooted and spec(self.primitive).reduces:   # only the root keeps it
+    facts = spec(self.primitive)
+    if facts.rooted and facts.reduces:   # reduce: only the root keeps the result
       out = [o if r == self.root else np.zeros_like(o) for r, o in enumerate(out)]
     return out

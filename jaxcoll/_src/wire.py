@@ -54,9 +54,9 @@ MIN_EXPONENT = -126  # scales stay normal float32 numbers
 class WireFormat:
   """A wire format: element dtype name and, for scaled formats, the block size.
 
-  It owns the encoding: :meth:`encode` and :meth:`decode` (the module's ``encode`` and
-  ``decode`` call them); the decode arithmetic itself is :func:`dequantize`, which the
-  fused combine kernel also runs on its tiles, so every receiver gets the same bits.
+  It owns the encoding: :meth:`encode` and :meth:`decode`. The decode arithmetic itself is
+  :func:`dequantize`, which the fused combine kernel also runs on its tiles, so every
+  receiver gets the same bits.
 
   Attributes:
     name: one of ``WIRE_DTYPES``.
@@ -180,11 +180,6 @@ def _exponents(amax, fmax: float):
   return jnp.where(jnp.isfinite(amax), e, NAN_EXPONENT)
 
 
-def encode(fmt: WireFormat, rows):
-  """``fmt.encode(rows)``: :meth:`WireFormat.encode`."""
-  return fmt.encode(rows)
-
-
 def scales(exponents):
   """float32 ``2**e`` of int8 exponents; NaN for ``NAN_EXPONENT``."""
   e = exponents.astype(jnp.int32)
@@ -202,11 +197,6 @@ def dequantize(values, block_scales, dtype=jnp.float32):
   """
   values = values.astype(dtype)
   return values if block_scales is None else values * block_scales
-
-
-def decode(fmt: WireFormat, values, exponents):
-  """``fmt.decode(values, exponents)``: :meth:`WireFormat.decode`."""
-  return fmt.decode(values, exponents)
 
 
 def pack(fmt: WireFormat, values, exponents):

@@ -64,11 +64,9 @@ class Algorithm:
     """(label, options) of every variant auto weighs on a mesh of ``axis_sizes``."""
     if self.variants is not None:
       return self.variants(self.primitive, tuple(axis_sizes))
-    names = list(self.tune)
     out = []
     for values in itertools.product(*self.tune.values()):
-      changed = {k: v for k, v, default in zip(names, values, (self.tune[k][0] for k in names))
-                 if v != default}
+      changed = {k: v for k, v in zip(self.tune, values) if v != self.tune[k][0]}
       label = self.name + (f"({','.join(f'{k}={v}' for k, v in changed.items())})"
                            if changed else "")
       out.append((label, changed))
