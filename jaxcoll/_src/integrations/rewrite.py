@@ -92,7 +92,7 @@ def _reduce(op: str):
     if axes is None:
       return None
     return [all_reduce(x, axes, op=op, **opts.wire_for(x),
-                                   algorithm=opts.algorithm_for("all_reduce", axes))
+                       algorithm=opts.algorithm_for("all_reduce", axes))
             for x in invals]
   return rule
 
@@ -104,8 +104,8 @@ def _all_gather(to: str):
       return None
     (x,) = invals
     return [all_gather(x, axes, axis=params["all_gather_dimension"],
-                                   tiled=params["tiled"], to=to, **opts.wire_for(x),
-                                   algorithm=opts.algorithm_for("all_gather", axes))]
+                       tiled=params["tiled"], to=to, **opts.wire_for(x),
+                       algorithm=opts.algorithm_for("all_gather", axes))]
   return rule
 
 
@@ -115,8 +115,8 @@ def _reduce_scatter(opts, invals, params):
     return None
   (x,) = invals
   return [reduce_scatter(x, axes, scatter_dimension=params["scatter_dimension"],
-                                     tiled=params["tiled"], **opts.wire_for(x),
-                                     algorithm=opts.algorithm_for("reduce_scatter", axes))]
+                         tiled=params["tiled"], **opts.wire_for(x),
+                         algorithm=opts.algorithm_for("reduce_scatter", axes))]
 
 
 def _all_to_all(opts, invals, params):
@@ -127,7 +127,7 @@ def _all_to_all(opts, invals, params):
     return None
   (x,) = invals
   return [all_to_all(x, axes, params["split_axis"], params["concat_axis"],
-                                 tiled=True, algorithm=opts.algorithm_for("all_to_all", axes))]
+                     tiled=True, algorithm=opts.algorithm_for("all_to_all", axes))]
 
 
 def shift_of(perm, n: int) -> tuple[int, bool] | None:
@@ -155,8 +155,7 @@ def _ppermute(opts, invals, params):
     return None
   offset, wrap = found
   (x,) = invals
-  return [shift(x, axes, offset, wrap=wrap,
-                            algorithm=opts.algorithm_for("shift", axes))]
+  return [shift(x, axes, offset, wrap=wrap, algorithm=opts.algorithm_for("shift", axes))]
 
 
 COLLECTIVES: dict[str, Callable] = {
