@@ -2,10 +2,11 @@
 
 Each collective's facts (:func:`spec`, :func:`primitives`), how an algorithm is labelled
 (:func:`label`) and what the lax collective is priced as (:func:`native_equivalents`),
-"auto"'s candidates and pick for one call, a collective on a flat per-device buffer
-(:func:`flat_call`), side-by-side timing (:func:`interleaved`), calibration's two halves
-(:func:`measure`, :func:`fit`), and byte sizes as people write them (:func:`parse_size`,
-:func:`format_size`). ``jaxcoll-bench`` (:mod:`jaxcoll.bench`) and ``benchmarks/`` use
+"auto"'s candidates and pick for one call (:func:`clear_caches` to time a first one), a
+collective on a flat per-device buffer (:func:`flat_call`), side-by-side timing
+(:func:`interleaved`), calibration's two halves (:func:`measure`, :func:`fit`), and byte
+sizes as people write them (:func:`parse_size`, :func:`format_size`). ``jaxcoll-bench``
+(:mod:`jaxcoll.bench`) and ``benchmarks/`` use
 only these and the ``jaxcoll`` namespace.
 
 The building blocks of an integration (what ``jaxcoll.fsdp``, ``jaxcoll.moe``,
@@ -25,7 +26,7 @@ from jaxcoll._src.axes import sizes as axis_sizes
 from jaxcoll._src.calibrate import Measurements, fit, measure
 from jaxcoll._src.collectives import flat_call
 from jaxcoll._src.config import check_choice
-from jaxcoll._src.cost import native_equivalents
+from jaxcoll._src.cost import clear_caches, native_equivalents
 from jaxcoll._src.dispatch import (
     NATIVE_MARGIN,
     Candidate,
@@ -44,6 +45,7 @@ from jaxcoll._src.wire import compresses, wire_format
 
 __all__ = ("NATIVE", "NATIVE_MARGIN", "Candidate", "CollectiveSpec", "Measurements",
            "auto_label", "axis_size", "axis_sizes", "candidates", "check_choice", "check_op",
+           "clear_caches",
            "check_vma_enabled", "compresses", "fit", "flat_call", "format_seconds",
            "format_size", "interleaved", "label", "make_varying", "measure", "mesh_shape",
            "native_equivalents", "normalize_axes", "parse_size", "pick", "primitives",

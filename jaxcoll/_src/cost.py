@@ -66,7 +66,7 @@ import numpy as np
 
 from jaxcoll._src import compat
 from jaxcoll._src.algorithms import entries, schedule
-from jaxcoll._src.plan import LOOP_MIN_STEPS, plan
+from jaxcoll._src.plan import LOOP_MIN_STEPS, phase_keys, plan
 from jaxcoll._src.profile import Link, Profile
 from jaxcoll._src.schedule import Schedule, crossing_axis, per_array
 from jaxcoll._src.topology import CLASSES, Topology, single_process
@@ -75,8 +75,12 @@ from jaxcoll._src.topology import CLASSES, Topology, single_process
 @dataclasses.dataclass(frozen=True)
 class Loads:
   """What the model reads off a schedule on one mesh shape and topology, per transfer
-  (``[T]``, ``[T, A, C]``) and per step (``[S]``), in units of chunks."""
+  (``[T]``, ``[T, A, C]``) and per step (``[S]``), in units of chunks. A run of steps of one
+  structure (:class:`~jaxcoll._src.schedule.Run`) is read once: its first step stands for
+  ``repeats`` steps."""
 
+  repeats: np.ndarray     # [T] steps the transfer stands for
+  step_repeats: np.ndarray  # [S] steps the step stands for
   chunks: np.ndarray      # [T] chunks per message
   reduce: np.ndarray      # [T] bool: a reduce transfer (carries partial sums)
   crosses: np.ndarray     # [T, A, C] bool: some message of t crosses axis a on a class-c link
@@ -97,15 +101,30 @@ class Loads:
     return len(CLASSES) - 1 - used[:, ::-1].argmax(axis=1)
 
 
+def clear_caches() -> None:
+  """Forgets every schedule built, priced and planned in this process (what auto's first
+  choice in a fresh process starts from)."""
+  schedule.cache_clear()
+  loads.cache_clear()
+  plan.cache_clear()
+
+
 def unrolled_steps(sched: Schedule) -> np.ndarray:
-  """``[S]`` bools: the steps after which XLA copies the whole buffer (U_s): the steps the
-  executor runs outside a loop, where its barriers do not keep the update in place (never
-  on jax 0.12, where the executor's plan is not even read)."""
+  """``[S]`` bools, one per part of :meth:`Steps.runs`: the steps after which XLA copies the
+  whole buffer (U_s): the steps the executor runs outside a loop, where its barriers do not
+  keep the update in place (never on jax 0.12). The executor loops over a phase of at least
+  ``LOOP_MIN_STEPS`` steps of one structure (:func:`plan.phase_keys`), read here without the
+  chunk rows."""
+  parts = list(sched.steps.runs())
   if compat.BARRIERS_KEEP_UPDATES_IN_PLACE:
-    return np.zeros(sched.num_steps, bool)
-  flags = [phase.num_steps < LOOP_MIN_STEPS for phase in plan(sched)
-           for _ in range(phase.num_steps)]
-  return np.asarray(flags, bool).reshape(-1)
+    return np.zeros(len(parts), bool)
+  keys = phase_keys([step for step, _ in parts])
+  out, start = np.zeros(len(parts), bool), 0
+  for i in range(1, len(parts) + 1):
+    if i == len(parts) or keys[i] != keys[start]:
+      out[start:i] = sum(count for _, count in parts[start:i]) < LOOP_MIN_STEPS
+      start = i
+  return out
 
 
 @functools.lru_cache(maxsize=1024)
@@ -118,11 +137,10 @@ def loads(sched: Schedule, axis_sizes: tuple[int, ...], topo: Topology | None = 
   arrays, :func:`per_array`), whose links are read once."""
   n = sched.axis_size
   topo = topo or single_process(n)
-  coords = np.stack(np.unravel_index(np.arange(n), axis_sizes), axis=1)
 
   @per_array
   def lane(src, dst):   # (crosses [A, C], moving messages, moving src, moving dst)
-    axis = crossing_axis(coords, src, dst)
+    axis = crossing_axis(axis_sizes, src, dst)
     moving = axis >= 0
     src, dst = src[moving], dst[moving]
     crossed = np.zeros((len(axis_sizes), len(CLASSES)), bool)
@@ -143,7 +161,10 @@ def loads(sched: Schedule, axis_sizes: tuple[int, ...], topo: Topology | None = 
       touched_of[key] = local.max(initial=0)
     return touched_of[key]
 
-  transfers = [t for step in sched.steps for t in step.transfers]
+  parts = list(sched.steps.runs())
+  transfers = [t for step, _ in parts for t in step.transfers]
+  step_repeats = np.array([count for _, count in parts], float).reshape(-1)
+  repeats = np.array([count for step, count in parts for _ in step.transfers], float)
   chunks = np.array([t.chunks_per_message for t in transfers], float)
   reduce = np.array([t.combine == "reduce" for t in transfers], bool)
   lanes = [lane(t.src, t.dst) for t in transfers]
@@ -152,16 +173,17 @@ def loads(sched: Schedule, axis_sizes: tuple[int, ...], topo: Topology | None = 
   messages = np.array([moving for _, moving, *_ in lanes], float)
   buffer_chunks = sched.num_chunks
   unrolled = unrolled_steps(sched)
-  steps_touched = np.array([touched(step) for step in sched.steps], float).reshape(-1)
-  return Loads(chunks, reduce, crosses, messages, steps_touched + unrolled * buffer_chunks,
-               unrolled, buffer_chunks)
+  steps_touched = np.array([touched(step) for step, _ in parts], float).reshape(-1)
+  return Loads(repeats, step_repeats, chunks, reduce, crosses, messages,
+               steps_touched + unrolled * buffer_chunks, unrolled, buffer_chunks)
 
 
 def fresh_bytes(ld: Loads, sent: np.ndarray, buffer: float, threshold: float) -> float:
   """F of the module docstring: bytes of messages (``sent``, per transfer) and unrolled
   buffer copies (``buffer`` bytes) of at least ``threshold`` bytes."""
-  messages = np.where(ld.moving & (sent >= threshold), sent, 0.0).sum()
-  return float(messages + (buffer if buffer >= threshold else 0.0) * ld.unrolled.sum())
+  messages = (np.where(ld.moving & (sent >= threshold), sent, 0.0) * ld.repeats).sum()
+  return float(messages + (buffer if buffer >= threshold else 0.0)
+               * (ld.unrolled * ld.step_repeats).sum())
 
 
 def predict(sched: Schedule, profile: Profile, axis_names: Sequence[str],
@@ -186,8 +208,8 @@ def predict(sched: Schedule, profile: Profile, axis_names: Sequence[str],
   per_transfer = (wire + (profile.mu + profile.nu * sent) * ld.messages / sched.axis_size
                   + profile.delta * buffer * ld.moving)
   fresh = profile.fresh * fresh_bytes(ld, sent, buffer, profile.fresh_threshold)
-  return float(profile.overhead + per_transfer.sum() + fresh
-               + profile.gamma * ld.touched.sum() * chunk)
+  return float(profile.overhead + (per_transfer * ld.repeats).sum() + fresh
+               + profile.gamma * (ld.touched * ld.step_repeats).sum() * chunk)
 
 
 def features(sched: Schedule, axis_sizes: Sequence[int], nbytes: float,
@@ -202,14 +224,14 @@ def features(sched: Schedule, axis_sizes: Sequence[int], nbytes: float,
   row[0] = 1.0
   for t in np.flatnonzero(ld.moving):
     c = ld.slowest[t]
-    row[1 + 2 * c] += 1.0
-    row[2 + 2 * c] += ld.chunks[t] * chunk
+    row[1 + 2 * c] += ld.repeats[t]
+    row[2 + 2 * c] += ld.repeats[t] * ld.chunks[t] * chunk
   buffer = ld.buffer_chunks * chunk
-  row[-5] = ld.messages.sum() / sched.axis_size
-  row[-4] = (ld.messages * ld.chunks).sum() * chunk / sched.axis_size
-  row[-3] = buffer * ld.moving.sum()
+  row[-5] = (ld.messages * ld.repeats).sum() / sched.axis_size
+  row[-4] = (ld.messages * ld.chunks * ld.repeats).sum() * chunk / sched.axis_size
+  row[-3] = buffer * (ld.moving * ld.repeats).sum()
   row[-2] = fresh_bytes(ld, ld.chunks * chunk, buffer, fresh_threshold)
-  row[-1] = ld.touched.sum() * chunk
+  row[-1] = (ld.touched * ld.step_repeats).sum() * chunk
   return row
 
 
@@ -258,12 +280,25 @@ def schedule_times(primitive: str, profile: Profile, axis_names: Sequence[str],
           for label, algo, options, sched, model, seconds in out]
 
 
+def not_weighed(primitive: str, axis_sizes: Sequence[int]) -> tuple[str, ...]:
+  """What auto leaves out on these axes because they span too many devices to price it
+  (``max_devices``): the primitive's algorithms, and on several axes the stage algorithms
+  (a hierarchical stage of ``primitive`` or of the reduce_scatter twin of its inner stages)."""
+  shape, n = tuple(axis_sizes), math.prod(axis_sizes)
+  left = lambda algos: [a.name for a in algos if a.max_devices is not None and n > a.max_devices]  # noqa: E731
+  out = left(entries(primitive, num_axes=len(shape)))
+  if len(shape) > 1:
+    stages = entries(primitive, stage=True) + entries("reduce_scatter", stage=True)
+    out += [f"{name} (as a stage)" for name in dict.fromkeys(left(stages))]
+  return tuple(out)
+
+
 def candidate_schedules(primitive: str, axis_sizes: Sequence[int]):
   """(label, algorithm, schedule options, schedule) for every scheduled choice auto weighs:
   every variant (:meth:`Algorithm.choices`) of every algorithm that runs on these axes."""
   n, shape = math.prod(axis_sizes), tuple(axis_sizes)
   out = []
-  for algo in entries(primitive, num_axes=len(shape)):
+  for algo in entries(primitive, num_axes=len(shape), devices=n):
     for label, options in algo.choices(shape):
       try:
         sched = schedule(primitive, algo.name, n, **options)

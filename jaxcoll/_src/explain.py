@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxcoll._src import config as config_lib
-from jaxcoll._src import dispatch, ops, topology
+from jaxcoll._src import cost, dispatch, ops, topology
 from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.algorithms import NATIVE
 from jaxcoll._src.profile import Profile
@@ -45,6 +45,7 @@ class Explanation:
   wire_dtype: str | None = None
   trusted: bool = True
   links: str = "process"
+  not_weighed: tuple[str, ...] = ()
 
   @property
   def predicted_s(self) -> float:
@@ -60,6 +61,9 @@ class Explanation:
     title = (f"{self.primitive} of {format_size(self.nbytes)}{wire} over {self.axis_names} "
              f"({shape}; links {self.links}), "
              f"profile {self.profile or 'custom'}: auto -> {self.chosen} ({why})")
+    if self.not_weighed:
+      title += (f"; not weighed on {math.prod(self.axis_sizes)} devices: "
+                f"{', '.join(self.not_weighed)}")
     headers = ("algorithm", "steps", *(f"bytes over {a}" for a in self.axis_names),
                "predicted", "")
     rows = []
@@ -175,7 +179,7 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
     rows.append(ExplainRow(c.label, steps, per_axis, c.predicted_s, c.label == chosen))
   return Explanation(primitive, axes, sizes, nbytes, profile.name, chosen, override is not None,
                      tuple(rows), fmt.name if fmt else None, dispatch.trusted(profile),
-                     topo.label)
+                     topo.label, cost.not_weighed(primitive, sizes))
 
 
 def _is_leaf(x) -> bool:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 
-from jaxcoll._src.schedule import Schedule
+from jaxcoll._src.schedule import Schedule, Step, per_array
 
 LOOP_MIN_STEPS = 2
 
@@ -60,7 +61,7 @@ def plan(schedule: Schedule) -> tuple[Phase, ...]:
   n = schedule.axis_size
   phases: list[tuple[tuple[TransferPlan, ...], list, list]] = []
   reduced_into = sent_rows_reduced_into(schedule)
-  for step, reused in zip(schedule.steps, reduced_into):
+  for step, reused in zip(schedule.checked_steps(), reduced_into):
     sends, recvs, plans = [], [], []
     for t, again in zip(step.transfers, reused):
       k = t.chunks_per_message
@@ -88,6 +89,16 @@ def plan(schedule: Schedule) -> tuple[Phase, ...]:
                      tuple(stack(sends, p.send_contiguous, j) for j, p in enumerate(key)),
                      tuple(stack(recvs, p.recv_contiguous, j) for j, p in enumerate(key))))
   return tuple(out)
+
+
+def phase_keys(steps: Sequence[Step]) -> list[tuple]:
+  """A key per step, equal for consecutive steps that :func:`plan` puts in one phase (the
+  same permutations, chunks per message and combines), read without the chunk rows (a run's
+  steps keep their rows' contiguity, :class:`~jaxcoll._src.schedule.Run`), so the cost model
+  finds the executor's loops in a schedule of thousands of ranks."""
+  ranks = per_array(lambda a: a.tobytes())
+  return [tuple((ranks(t.src), ranks(t.dst), t.chunks_per_message, t.combine)
+                for t in step.transfers) for step in steps]
 
 
 def _members(ranks: np.ndarray, n: int) -> tuple[bool, ...] | None:

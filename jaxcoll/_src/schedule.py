@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Collection, Sequence
+import operator
+import weakref
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -37,7 +39,11 @@ def _chunks(x, messages: int) -> np.ndarray:
   """[K, k] chunk rows from [K, k], [1, k] (one row for every message) or [K] (one each)."""
   arr = np.asarray(x, np.int32)
   arr = arr.reshape(-1, 1) if arr.ndim < 2 else arr
-  return _frozen(np.broadcast_to(arr, (messages, arr.shape[1])) if arr.shape[0] == 1 else arr)
+  arr = np.broadcast_to(arr, (messages, arr.shape[1])) if arr.shape[0] == 1 else arr
+  if arr.ndim != 2 or len(arr) != messages:
+    raise ValueError(f"chunk rows of shape {arr.shape} for {messages} messages: expected one "
+                     "row per message (or one row for all)")
+  return _frozen(arr)
 
 
 def _frozen(arr: np.ndarray) -> np.ndarray:
@@ -46,13 +52,82 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
   return arr
 
 
+_DISTINCT: dict[int, tuple[weakref.ref, bool]] = {}
+
+
 def _distinct(ranks: np.ndarray) -> bool:
+  """No rank twice; remembered per (read-only) array while it lives, so a rank array shared
+  by thousands of steps is checked once."""
+  hit = _DISTINCT.get(id(ranks))
+  if hit is not None and hit[0]() is ranks:
+    return hit[1]
   if len(ranks) < 2:
-    return True
-  if ranks.min() < 0:
+    out = True
+  elif ranks.min() < 0:
     ordered = np.sort(ranks)
-    return not (ordered[1:] == ordered[:-1]).any()
-  return np.bincount(ranks).max() <= 1
+    out = not (ordered[1:] == ordered[:-1]).any()
+  else:
+    out = bool(np.bincount(ranks).max() <= 1)
+  if not ranks.flags.writeable:
+    if len(_DISTINCT) >= 1 << 16:
+      _DISTINCT.clear()
+    _DISTINCT[id(ranks)] = (weakref.ref(ranks), out)
+  return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rows:
+  """The chunk rows of K messages (``[K, k]``: message i's k chunks), made when first read.
+
+  Pricing reads how many chunks a message carries (``width``), never which, so builders
+  may give the rows as a function (:meth:`lazy`): a schedule over thousands of ranks is
+  priced without the arrays that only running or simulating it needs. ``array`` makes
+  (once) and returns the read-only rows.
+  """
+
+  count: int
+  width: int
+  make: Callable[[], np.ndarray] | None = None
+
+  @classmethod
+  def of(cls, x, count: int) -> Rows:
+    """Rows of ``count`` messages from a :class:`Rows` or an array-like ([K, k], [1, k] or
+    [K], as :meth:`Messages.of` takes)."""
+    if isinstance(x, Rows):
+      if x.count != count:
+        raise ValueError(f"chunk rows of {x.count} messages for {count} messages")
+      return x
+    arr = _chunks(x, count)
+    rows = cls(count, arr.shape[1])
+    rows.__dict__["array"] = arr   # what cached_property would store
+    return rows
+
+  @classmethod
+  def lazy(cls, count: int, width: int, make: Callable[[], np.ndarray]) -> Rows:
+    """Rows that ``make()`` returns when first read ([K, k], [1, k] or [K])."""
+    return cls(int(count), int(width), make)
+
+  @functools.cached_property
+  def array(self) -> np.ndarray:
+    arr = _chunks(self.make(), self.count)
+    if arr.shape[1] != self.width:
+      raise AssertionError(f"rows made {arr.shape[1]} chunks per message, declared {self.width}")
+    return arr
+
+  def map(self, fn: Callable[[np.ndarray], np.ndarray], width: int) -> Rows:
+    """``fn`` of the rows (``[K, width]``), made when read."""
+    return Rows.lazy(self.count, width, lambda: fn(self.array))
+
+  def take(self, idx: np.ndarray) -> Rows:
+    """The rows of messages ``idx``."""
+    return Rows.lazy(len(idx), self.width, lambda: self.array[idx])
+
+  @staticmethod
+  def concat(parts: Sequence[Rows]) -> Rows:
+    if len(parts) == 1:
+      return parts[0]
+    return Rows.lazy(sum(p.count for p in parts), parts[0].width,
+                     lambda: np.concatenate([p.array for p in parts]))
 
 
 class Messages(NamedTuple):
@@ -66,17 +141,17 @@ class Messages(NamedTuple):
 
   src: np.ndarray    # [K]
   dst: np.ndarray    # [K]
-  send: np.ndarray   # [K, k]
-  recv: np.ndarray   # [K, k]
+  send: Rows         # [K, k]
+  recv: Rows         # [K, k]
   combine: Combine
 
   @classmethod
   def of(cls, src, dst, send, recv=None, combine: Combine = "reduce") -> Messages:
     """Messages from array-likes: ``send``/``recv`` of shape [K, k], [1, k] (one row for
-    every message) or [K] (one chunk each); ``recv`` defaults to ``send``."""
+    every message) or [K] (one chunk each), or :class:`Rows`; ``recv`` defaults to ``send``."""
     src, dst = _ranks(src), _ranks(dst)
-    send = _chunks(send, len(src))
-    return cls(src, dst, send, send if recv is None else _chunks(recv, len(src)), combine)
+    send = Rows.of(send, len(src))
+    return cls(src, dst, send, send if recv is None else Rows.of(recv, len(src)), combine)
 
   @staticmethod
   def ragged(src: Sequence[int], dst: Sequence[int], send: Sequence[Sequence[int]],
@@ -90,9 +165,8 @@ class Messages(NamedTuple):
     for count in dict.fromkeys(counts.tolist()):   # in order of first use
       idx = np.flatnonzero(counts == count)
       if count:
-        out.append(Messages(_ranks(src[idx]), _ranks(dst[idx]),
-                            _chunks(np.stack([send[i] for i in idx]), len(idx)),
-                            _chunks(np.stack([recv[i] for i in idx]), len(idx)), combine))
+        out.append(Messages.of(src[idx], dst[idx], np.stack([send[i] for i in idx]),
+                               np.stack([recv[i] for i in idx]), combine))
     return out
 
 
@@ -103,35 +177,47 @@ class Transfer:
   Message ``i`` goes from ``src[i]`` to ``dst[i]``; the sender reads rows
   ``send_chunks[i]`` of its buffer, the receiver combines the message into its
   rows ``recv_chunks[i]``. Sources are distinct, destinations are distinct, and
-  every message carries ``chunks_per_message`` rows. The fields are read-only NumPy
-  arrays (``[K]`` ranks, ``[K, k]`` chunks; sequences are converted), so schedules of
-  thousands of ranks stay arrays, not Python objects; transfers compare by identity.
+  every message carries ``chunks_per_message`` rows. Ranks are read-only NumPy arrays
+  (``[K]``), the rows :class:`Rows` (``[K, k]``, made when first read; sequences are
+  converted), so schedules of thousands of ranks stay arrays, not Python objects;
+  transfers compare by identity.
   """
 
   src: np.ndarray
   dst: np.ndarray
-  send_chunks: np.ndarray
-  recv_chunks: np.ndarray
+  send: Rows
+  recv: Rows
   combine: Combine
 
   def __post_init__(self):
-    n = np.size(self.src)
-    if not (n == np.size(self.dst) == len(self.send_chunks) == len(self.recv_chunks)) or n == 0:
+    src, dst = _ranks(self.src), _ranks(self.dst)
+    n = len(src)
+    if n != len(dst) or n == 0:
       raise ValueError("Transfer needs one src, dst, send and recv entry per message")
     try:
-      send, recv = _chunks(self.send_chunks, n), _chunks(self.recv_chunks, n)
-    except ValueError:   # ragged
+      send, recv = Rows.of(self.send, n), Rows.of(self.recv, n)
+    except ValueError as e:   # ragged, or rows for other messages
+      if "chunk rows" in str(e):
+        raise ValueError("Transfer needs one src, dst, send and recv entry per message") from e
       send = recv = None
-    if send is None or send.ndim != 2 or send.shape != recv.shape:
+    if send is None or send.width != recv.width:
       raise ValueError("every message of a Transfer must carry the same number of chunks")
-    object.__setattr__(self, "src", _ranks(self.src))
-    object.__setattr__(self, "dst", _ranks(self.dst))
-    object.__setattr__(self, "send_chunks", send)
-    object.__setattr__(self, "recv_chunks", recv)
-    if not (_distinct(self.src) and _distinct(self.dst)):
+    for name, value in (("src", src), ("dst", dst), ("send", send), ("recv", recv)):
+      object.__setattr__(self, name, value)
+    if not (_distinct(src) and _distinct(dst)):
       raise ValueError(f"Transfer sources and destinations must be distinct: {self.perm}")
     if self.combine not in ("reduce", "copy"):
       raise ValueError(f"combine must be 'reduce' or 'copy', got {self.combine!r}")
+
+  @property
+  def send_chunks(self) -> np.ndarray:
+    """``[K, k]``: the rows each sender reads."""
+    return self.send.array
+
+  @property
+  def recv_chunks(self) -> np.ndarray:
+    """``[K, k]``: the rows each receiver combines into."""
+    return self.recv.array
 
   @property
   def perm(self) -> tuple[tuple[int, int], ...]:
@@ -140,37 +226,39 @@ class Transfer:
 
   @property
   def chunks_per_message(self) -> int:
-    return self.send_chunks.shape[1]
+    return self.send.width
 
 
-def _first_fit(src: np.ndarray, dst: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
-  """[K]: the transfer (layer) of each message: the first whose sources and destinations
-  do not hold the message's, a new one if none. ``sizes`` cuts the messages into groups; a
-  group with distinct sources and destinations is placed at once (its messages cannot block
-  each other, so this equals placing them one by one), any other one message at a time."""
-  if len(sizes) == 1 and _distinct(src) and _distinct(dst):
+def _first_fit(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+  """[K]: the transfer (layer) of each message, exactly as placing them one by one in order
+  gives: the first layer whose sources and destinations do not hold the message's, a new
+  one if none.
+
+  Only earlier messages that share a source or destination decide a message's layer, so
+  every round places at once each message that no unplaced earlier one shares a rank with
+  (a tree's step takes two or three rounds, not one per message)."""
+  if _distinct(src) and _distinct(dst):
     return np.zeros(len(src), np.int64)
   n = int(max(src.max(), dst.max())) + 1
   used_src, used_dst = np.zeros((0, n), bool), np.zeros((0, n), bool)
   layer = np.empty(len(src), np.int64)
-  start = 0
-  for size in sizes:
-    part = slice(start, start + size)
-    start += size
-    s, d = src[part], dst[part]
-    if _distinct(s) and _distinct(d):
-      blocks = [(slice(None), s, d)]
-    else:
-      blocks = [(slice(i, i + 1), s[i:i + 1], d[i:i + 1]) for i in range(size)]
-    for where, s_, d_ in blocks:
-      fits = ~used_src[:, s_] & ~used_dst[:, d_]                 # [layers, messages]
-      first = np.where(fits.any(0), fits.argmax(0) if len(fits) else 0, len(used_src))
-      if (first == len(used_src)).any():
-        used_src = np.vstack([used_src, np.zeros((1, n), bool)])
-        used_dst = np.vstack([used_dst, np.zeros((1, n), bool)])
-      used_src[first, s_] = True
-      used_dst[first, d_] = True
-      layer[part][where] = first
+  todo = np.arange(len(src))
+  while len(todo):
+    ready = np.zeros(len(todo), bool)
+    ready[np.unique(src[todo], return_index=True)[1]] = True
+    first_dst = np.zeros(len(todo), bool)
+    first_dst[np.unique(dst[todo], return_index=True)[1]] = True
+    ready &= first_dst
+    s, d = src[todo[ready]], dst[todo[ready]]
+    fits = ~used_src[:, s] & ~used_dst[:, d]                   # [layers, messages]
+    first = np.where(fits.any(0), fits.argmax(0) if len(fits) else 0, len(used_src))
+    if (first == len(used_src)).any():
+      used_src = np.vstack([used_src, np.zeros((1, n), bool)])
+      used_dst = np.vstack([used_dst, np.zeros((1, n), bool)])
+    used_src[first, s] = True
+    used_dst[first, d] = True
+    layer[todo[ready]] = first
+    todo = todo[~ready]
   return layer
 
 
@@ -191,24 +279,92 @@ class Step:
     keyed: dict[tuple[int, str], list[tuple[Messages, np.ndarray]]] = {}
     seen = 0
     for g in (g for g in groups if len(g.src)):
-      if g.send.shape != g.recv.shape or g.send.shape[1] < 1:
+      if g.send.width != g.recv.width or g.send.width < 1:
         raise ValueError(f"messages {g} must send as many chunks as they receive (>= 1)")
-      keyed.setdefault((g.send.shape[1], g.combine), []).append(
+      keyed.setdefault((g.send.width, g.combine), []).append(
           (g, np.arange(seen, seen + len(g.src))))
       seen += len(g.src)
     made = []
     for (_, combine), gs in keyed.items():
-      src, dst, send, recv, order = (np.concatenate(f) if len(gs) > 1 else f[0]
-                                     for f in zip(*((*g[:4], at) for g, at in gs)))
-      layer = _first_fit(src, dst, [len(g.src) for g, _ in gs])
+      if len(gs) == 1 and _distinct(gs[0][0].src) and _distinct(gs[0][0].dst):
+        g, at = gs[0]   # one group that is one ppermute: its arrays as they are
+        made.append((at[0], Transfer(g.src, g.dst, g.send, g.recv, combine)))
+        continue
+      src, dst, order = (np.concatenate(f) for f in zip(*((g.src, g.dst, at) for g, at in gs)))
+      send, recv = (Rows.concat([g[i] for g, _ in gs]) for i in (2, 3))
+      layer = _first_fit(src, dst)
       whole = {int(at[0]): g for g, at in gs}   # a transfer of one whole group keeps its arrays
       for j in range(layer.max() + 1):
         idx = np.flatnonzero(layer == j)
         first, g = order[idx[0]], whole.get(int(order[idx[0]]))
         if g is None or len(g.src) != len(idx) or order[idx[-1]] - first != len(idx) - 1:
-          g = Messages(src[idx], dst[idx], send[idx], recv[idx], combine)
+          g = Messages(src[idx], dst[idx], send.take(idx), recv.take(idx), combine)
         made.append((first, Transfer(g.src, g.dst, g.send, g.recv, combine)))
     return Step(tuple(t for _, t in sorted(made, key=lambda m: m[0])))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Run:
+  """``count`` consecutive steps of one structure: the same transfers (ranks, chunks per
+  message, combines, and whether each message's rows are consecutive) moving different
+  chunks, as in every ring. Step i is ``make(i)``, made when read; pricing reads ``first``
+  alone (:meth:`Steps.runs`)."""
+
+  count: int
+  make: Callable[[int], Step]
+
+  @functools.cached_property
+  def first(self) -> Step:
+    return self.make(0)
+
+
+class Steps(Sequence):
+  """A schedule's steps, in order: some held as :class:`Run` s, made one by one when read,
+  so a ring's thousands of steps cost nothing until a simulator or executor walks them."""
+
+  def __init__(self, parts: Iterable[Step | Run]):
+    self.parts = tuple(p for p in parts if not isinstance(p, Run) or p.count)
+    self._ends = np.cumsum([p.count if isinstance(p, Run) else 1 for p in self.parts],
+                           dtype=np.int64)
+
+  def __len__(self) -> int:
+    return int(self._ends[-1]) if len(self._ends) else 0
+
+  def __getitem__(self, i):
+    if isinstance(i, slice):
+      return tuple(self[j] for j in range(*i.indices(len(self))))
+    i = operator.index(i) + (len(self) if i < 0 else 0)
+    if not 0 <= i < len(self):
+      raise IndexError(f"step {i} of {len(self)}")
+    p = int(np.searchsorted(self._ends, i, side="right"))
+    part = self.parts[p]
+    return part if isinstance(part, Step) else part.make(i - int(self._ends[p]) + part.count)
+
+  def __iter__(self) -> Iterator[Step]:
+    for part in self.parts:
+      if isinstance(part, Step):
+        yield part
+      else:
+        yield from map(part.make, range(part.count))
+
+  def runs(self) -> Iterator[tuple[Step, int]]:
+    """(step, count): each part once, a run as its first step and its length."""
+    for part in self.parts:
+      yield (part, 1) if isinstance(part, Step) else (part.first, part.count)
+
+  def map(self, fn: Callable[[Step], Step]) -> Steps:
+    """``fn`` of every step, runs kept runs (``fn`` must keep a run's steps one structure)."""
+    return Steps(fn(p) if isinstance(p, Step) else
+                 Run(p.count, lambda i, make=p.make: fn(make(i))) for p in self.parts)
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, Steps) and self.parts == other.parts
+
+  def __hash__(self) -> int:
+    return hash(self.parts)
+
+  def __repr__(self) -> str:
+    return f"Steps({len(self)} steps in {len(self.parts)} parts)"
 
 
 def per_array(fn):
@@ -227,17 +383,40 @@ def per_array(fn):
   return cached
 
 
-def _per_rank(ranks: np.ndarray, n: int, weight: float) -> np.ndarray:
-  """[N]: ``weight`` for every rank in ``ranks`` (distinct), 0 elsewhere."""
-  return np.bincount(ranks, minlength=n) * weight
+class _Weights:
+  """Sums weights per key of rank arrays, ``of(*arrays)`` computed once per distinct key
+  (by identity, :func:`per_array`), so a pass over a schedule costs O(steps + distinct
+  permutations x N), not O(steps x N)."""
+
+  def __init__(self, of):
+    self.of = per_array(of)
+    self.weights: dict[tuple, list] = {}
+
+  def add(self, key: tuple, weight: float) -> np.ndarray:
+    """Adds ``weight`` to ``key`` (flags and arrays); returns ``of`` of its arrays."""
+    arrays = tuple(k for k in key if isinstance(k, np.ndarray))
+    slot = self.weights.setdefault(tuple(id(k) if isinstance(k, np.ndarray) else k
+                                         for k in key), [key, 0])
+    slot[1] += weight
+    return self.of(*arrays)
+
+  def totals(self):
+    """(key, weight * of(key's arrays)) per key."""
+    for key, weight in self.weights.values():
+      yield key, weight * self.of(*(k for k in key if isinstance(k, np.ndarray)))
 
 
-def crossing_axis(coords: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-  """[K]: for each message, the outermost mesh axis in which its two ranks' coordinates
-  (``coords``: [N, A]) differ, -1 for a message to itself. The one rule that charges a
-  message to an axis (:meth:`Schedule.traffic`, the cost model)."""
-  differ = coords[src] != coords[dst]
-  return np.where(differ.any(1), differ.argmax(1), -1)
+def crossing_axis(axis_sizes: Sequence[int], src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+  """[K]: for each message, the outermost mesh axis (of sizes ``axis_sizes``, outermost
+  first) in which its two ranks' coordinates differ, -1 for a message to itself. The one
+  rule that charges a message to an axis (:meth:`Schedule.traffic`, the cost model).
+
+  Coordinates 0..a agree exactly when ``rank // stride_a`` does (stride_a: the product of
+  the sizes inside axis a), and those that agree are a prefix, so the axis is how many
+  agree."""
+  strides = np.cumprod((1, *axis_sizes[:0:-1]))[::-1]   # [A]: product of the inner sizes
+  agree = sum(src // s == dst // s for s in strides.tolist())
+  return np.where(agree == len(strides), -1, agree)
 
 
 class AxisTraffic(NamedTuple):
@@ -258,7 +437,8 @@ class Schedule:
     num_chunks: C, the number of equal chunks the buffer is split into. For
       ``reduce_scatter`` and ``all_gather`` C is a multiple of N and rank r's
       block is chunks ``[r*C/N, (r+1)*C/N)``.
-    steps: the steps, run in order.
+    steps: the steps, run in order (a :class:`Steps`; any sequence of :class:`Step` and
+      :class:`Run` is converted).
     root: the root rank of ``broadcast`` and ``reduce``.
     axis_sizes: the sizes of the mesh axes the ranks span, outermost first
       (rank = ``np.ravel_multi_index(coords, axis_sizes)``, ``lax.axis_index``'s
@@ -286,7 +466,7 @@ class Schedule:
   algorithm: str
   axis_size: int
   num_chunks: int
-  steps: tuple[Step, ...]
+  steps: Steps
   root: int = 0
   axis_sizes: tuple[int, ...] = ()
   workspace_chunks: int = 0
@@ -308,12 +488,33 @@ class Schedule:
       raise ValueError("shift schedules have 2 chunks: input and output")
     if self.workspace_chunks and kind != "exchange":
       raise ValueError("only all_to_all schedules have workspace_chunks")
-    for step in self.steps:
+    if not isinstance(self.steps, Steps):
+      object.__setattr__(self, "steps", Steps(self.steps))
+    ranks = per_array(lambda a: (a.min(), a.max()))
+    for step, _ in self.steps.runs():
       for t in step.transfers:
-        if min(t.src.min(), t.dst.min()) < 0 or max(t.src.max(), t.dst.max()) >= n:
+        (lo_src, hi_src), (lo_dst, hi_dst) = ranks(t.src), ranks(t.dst)
+        if min(lo_src, lo_dst) < 0 or max(hi_src, hi_dst) >= n:
           raise ValueError(f"rank out of range [0, {n}) in {t.perm}")
-        if (min(t.send_chunks.min(), t.recv_chunks.min()) < 0
-            or max(t.send_chunks.max(), t.recv_chunks.max()) >= c):
+    for step, _ in self.steps.runs():
+      self._check_rows(step, made_only=True)
+
+  def checked_steps(self) -> Iterator[Step]:
+    """Every step, made, with its chunk rows checked to lie in ``[0, num_chunks)`` (raises
+    otherwise): how the simulator and the executor's plan, which read every row, walk the
+    schedule. Construction checks the rows already made; builders leave the rest to be
+    made when read."""
+    for step in self.steps:
+      self._check_rows(step)
+      yield step
+
+  def _check_rows(self, step: Step, *, made_only: bool = False) -> None:
+    c = self.num_chunks
+    for t in step.transfers:
+      for rows in (t.send, t.recv):
+        if made_only and "array" not in rows.__dict__:
+          continue
+        if rows.array.min() < 0 or rows.array.max() >= c:
           raise ValueError(f"chunk out of range [0, {c}) in step {step}")
 
   @property
@@ -343,11 +544,13 @@ class Schedule:
   @functools.cached_property
   def chunks_sent(self) -> np.ndarray:
     """``[2, N]`` array: chunks each rank sends in reduce transfers (row 0) and copies (row 1)."""
-    sent = np.zeros((2, self.axis_size), np.int64)
-    for step in self.steps:
+    weights = _Weights(lambda src: np.bincount(src, minlength=self.axis_size))
+    for step, count in self.steps.runs():
       for t in step.transfers:
-        sent[0 if t.combine == "reduce" else 1] += _per_rank(t.src, self.axis_size,
-                                                              t.chunks_per_message)
+        weights.add((t.combine == "copy", t.src), t.chunks_per_message * count)
+    sent = np.zeros((2, self.axis_size), np.int64)
+    for (copy, _), total in weights.totals():
+      sent[int(copy)] += total
     return sent
 
   def bytes_per_rank(self, nbytes: float, *, partial_sum_scale: float = 1.0) -> float:
@@ -379,20 +582,21 @@ class Schedule:
     shape = tuple(axis_sizes or self.axis_sizes)
     if int(np.prod(shape)) != self.axis_size:
       raise ValueError(f"axis_sizes {shape} do not multiply to axis_size {self.axis_size}")
-    coords = np.stack(np.unravel_index(np.arange(self.axis_size), shape), axis=1)
+    axes = np.arange(len(shape))
+
+    def lane(src, dst):   # [A, N]: messages each rank sends over each axis
+      axis = crossing_axis(shape, src, dst)
+      return np.stack([np.bincount(src[axis == a], minlength=self.axis_size) for a in axes])
+
+    weights = _Weights(lane)
     steps = np.zeros(len(shape), np.int64)
-    sent = np.zeros((len(shape), self.axis_size))
-    crossing = per_array(functools.partial(crossing_axis, coords))
-    for step in self.steps:
+    for step, count in self.steps.runs():
       crossed = np.zeros(len(shape), bool)
       for t in step.transfers:
-        axis = crossing(t.src, t.dst)
-        weight = t.chunks_per_message * (partial_sum_scale if t.combine == "reduce" else 1.0)
-        for a in range(len(shape)):
-          on = axis == a
-          crossed[a] |= on.any()
-          sent[a] += _per_rank(t.src[on], self.axis_size, weight)
-      steps += crossed
+        crossed |= weights.add((t.src, t.dst), count * t.chunks_per_message * (
+            partial_sum_scale if t.combine == "reduce" else 1.0)).any(axis=1)
+      steps += crossed * count
+    sent = sum((total for _, total in weights.totals()), np.zeros((len(shape), self.axis_size)))
     scale = nbytes / self.message_chunks
     return tuple(AxisTraffic(int(s), float(b.max(initial=0)) * scale)
                  for s, b in zip(steps, sent))
@@ -414,11 +618,11 @@ class Schedule:
     if pieces == 1:
       return self
     cut = set(range(len(self.steps)) if steps is None else steps)
-    expand = lambda chunks, js: (chunks[:, :, None] * pieces + js).reshape(len(chunks), -1)  # noqa: E731
+    expand = lambda rows, js: rows.map(  # noqa: E731
+        lambda c: (c[:, :, None] * pieces + js).reshape(len(c), -1), rows.width * len(js))
     whole = np.arange(pieces)
     steps_out = tuple(
-        Step(tuple(dataclasses.replace(t, send_chunks=expand(t.send_chunks, js),
-                                       recv_chunks=expand(t.recv_chunks, js))
+        Step(tuple(dataclasses.replace(t, send=expand(t.send, js), recv=expand(t.recv, js))
                    for t in step.transfers))
         for i, step in enumerate(self.steps)
         for js in (whole[:, None] if i in cut else [whole]))
@@ -429,9 +633,8 @@ class Schedule:
     """The same schedule with rank v played by rank (v + root) mod N."""
     n = self.axis_size
     shift = per_array(lambda ranks: (ranks + root) % n)   # shared arrays stay shared
-    steps = tuple(
-        Step(tuple(dataclasses.replace(t, src=shift(t.src), dst=shift(t.dst)) for t in s.transfers))
-        for s in self.steps)
+    steps = self.steps.map(lambda s: Step(tuple(
+        dataclasses.replace(t, src=shift(t.src), dst=shift(t.dst)) for t in s.transfers)))
     return dataclasses.replace(self, steps=steps, root=(self.root + root) % n)
 
   def simulate(self, inputs: Sequence[np.ndarray], op: str = "sum") -> list[np.ndarray]:
@@ -464,7 +667,7 @@ class Schedule:
     size = flat[0].size
     buf = np.stack([layout.to_rows(np, f, self, rank=r) for r, f in enumerate(flat)])
     combine = functools.partial(ops.combine_numpy, op)
-    for step in self.steps:
+    for step in self.checked_steps():
       sent = [buf[t.src[:, None], t.send_chunks] for t in step.transfers]
       for t, data in zip(step.transfers, sent):
         dst, rows = t.dst[:, None], t.recv_chunks

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxcoll._src.algorithms.common import build, log2_ceil
 from jaxcoll._src.algorithms.registry import register
-from jaxcoll._src.schedule import Messages
+from jaxcoll._src.schedule import Messages, Rows
 
 
 @register("all_gather", "bruck")
@@ -29,7 +29,8 @@ def all_gather(n: int):
   r = np.arange(n)
   rounds, dist = [], 1
   while dist < n:
-    blocks = (r[:, None] + np.arange(min(dist, n - dist))) % n
+    width = min(dist, n - dist)
+    blocks = Rows.lazy(n, width, lambda width=width: (r[:, None] + np.arange(width)) % n)
     rounds.append([Messages.of(r, (r - dist) % n, blocks, combine="copy")])
     dist <<= 1
   return build("all_gather", "bruck", n, n, rounds)

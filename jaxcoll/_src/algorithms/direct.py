@@ -6,7 +6,10 @@ In step s = 1..N-1 rank r exchanges with r + s (mod N).
   all_gather "direct": rank r sends its block to r + s: N-1 steps, (N-1)/N * M.
   all_to_all "direct" (pairwise exchange): rank r sends its input block r + s
     to rank r + s, which stores it as output block r: N-1 steps, (N-1)/N * M.
-The permutation changes every step, so the executor unrolls it.
+The permutation changes every step, so the executor unrolls it, and the cost model reads
+N - 1 permutations: auto weighs these on meshes of at most ``PRICED_UP_TO`` (1,024) devices
+(``max_devices``), where pricing them takes milliseconds; a call that names "direct" runs
+it at any size.
 
 shift "direct" is one step: rank r sends its input to r + offset (mod N with
 wrap, else only when that rank exists): 1 step, M bytes.
@@ -27,19 +30,23 @@ def _pairwise(n: int, send, recv, combine):
   return [[Messages.of(r, (r + s) % n, send(r, s), recv(r, s), combine)] for s in range(1, n)]
 
 
-@register("reduce_scatter", "direct", stage=True)
+PRICED_UP_TO = 1024   # max_devices: N - 1 permutations of N messages each to price
+
+
+@register("reduce_scatter", "direct", stage=True, max_devices=PRICED_UP_TO)
 def reduce_scatter(n: int):
   to = lambda r, s: (r + s) % n  # noqa: E731
   return build("reduce_scatter", "direct", n, n, _pairwise(n, to, to, "reduce"))
 
 
-@register("all_gather", "direct")
+@register("all_gather", "direct", max_devices=PRICED_UP_TO)
 def all_gather(n: int):
   own = lambda r, s: r  # noqa: E731
   return build("all_gather", "direct", n, n, _pairwise(n, own, own, "copy"))
 
 
-@register("all_to_all", "direct", native_like=True, stage=True, fit=True)
+@register("all_to_all", "direct", native_like=True, stage=True, fit=True,
+          max_devices=PRICED_UP_TO)
 def all_to_all(n: int):
   return build("all_to_all", "direct", n, 2 * n,
                _pairwise(n, lambda r, s: (r + s) % n, lambda r, s: n + r, "copy"))

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxcoll._src.algorithms.common import Fold, Rounds, block_rows, build
+from jaxcoll._src.algorithms.common import Fold, Rounds, build, by_key
 from jaxcoll._src.algorithms.registry import register
-from jaxcoll._src.schedule import Messages
+from jaxcoll._src.schedule import Messages, Rows
 
 
-def _span(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-  """[P, hi - lo] chunk rows of equal-length intervals [lo, hi)."""
-  return lo[:, None] + np.arange(int(hi[0] - lo[0]))
+def _span(lo: np.ndarray, hi: np.ndarray) -> Rows:
+  """[P, hi - lo] chunk rows of equal-length intervals [lo, hi), made when read."""
+  width = int(hi[0] - lo[0])
+  return Rows.lazy(len(lo), width, lambda: lo[:, None] + np.arange(width))
 
 
 def _halving_rounds(fold: Fold) -> tuple[Rounds, Rounds]:
@@ -68,15 +69,11 @@ def reduce_scatter(n: int):
   fold = Fold(n)
   v = np.arange(fold.p)
   dest = fold.virtual[fold.owner(np.arange(n))]              # [N] virtual rank of block b
-  held = np.ones((fold.p, n), bool)                          # [P, N] blocks v still reduces
   rounds: Rounds = []
   mask = 1
-  while mask < fold.p:
-    give = held & ((dest[None] & mask) != (v[:, None] & mask))
-    src, dst = fold.partners(mask)
-    rows = block_rows(give)
-    rounds.append(Messages.ragged(src, dst, rows, combine="reduce"))
-    held &= ~give
+  while mask < fold.p:   # v still reduces the blocks b with dest[b] = v mod mask
+    src, dst = fold.partners(mask)   # and gives those of them whose bit ``mask`` differs
+    rounds.append(by_key(src, dst, dest % (2 * mask), (v ^ mask) % (2 * mask), "reduce"))
     mask <<= 1
   pre = fold.pre(np.arange(n)[None]) if fold.extra else []
   post = ([[Messages.of(fold.excluded + 1, fold.excluded, fold.excluded, combine="copy")]]

@@ -40,9 +40,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxcoll._src.algorithms.common import Rounds, build
+from jaxcoll._src.algorithms.common import Repeat, Rounds, build
 from jaxcoll._src.algorithms.registry import entries, register, schedule
-from jaxcoll._src.schedule import Messages, Schedule, per_array
+from jaxcoll._src.schedule import Rows, Schedule, Step, Transfer, per_array
 
 NAME = "hierarchical"
 DEFAULT_STAGE = {"all_to_all": "direct"}
@@ -79,21 +79,24 @@ class Hierarchical:
     return f"{NAME}({stages}{cut})"
 
 
-def stage_names(primitive: str) -> tuple[str, ...]:
+def stage_names(primitive: str, devices: int | None = None) -> tuple[str, ...]:
   """The flat algorithms that may run one axis's stage: those registered with ``stage=True``
   (for all_reduce, reduce_scatter and all_gather the inner stages are a reduce_scatter and
   its all_gather twin of the same name, so reduce_scatter's say), the one the lax collective
-  is priced as first, then registration order."""
+  is priced as first, then registration order; with ``devices``, those auto weighs on a mesh
+  of that many (``max_devices``)."""
   which = "reduce_scatter" if primitive in ("reduce_scatter", "all_gather") else primitive
-  stages = sorted(entries(which, num_axes=1, stage=True), key=lambda a: not a.native_like)
+  stages = sorted(entries(which, num_axes=1, devices=devices, stage=True),
+                  key=lambda a: not a.native_like)
   return tuple(a.name for a in stages)
 
 
 def variants(primitive: str, axis_sizes: tuple[int, ...]) -> list[tuple[str, dict]]:
   """(label, options) of every per-axis choice auto weighs: any stage algorithm on the
   outermost axis, a reduce_scatter stage on the others (all_to_all: its own stages)."""
-  inner = stage_names("all_to_all" if primitive == "all_to_all" else "reduce_scatter")
-  per_axis = [stage_names(primitive)] + [inner] * (len(axis_sizes) - 1)
+  devices = math.prod(axis_sizes)
+  inner = stage_names("all_to_all" if primitive == "all_to_all" else "reduce_scatter", devices)
+  per_axis = [stage_names(primitive, devices)] + [inner] * (len(axis_sizes) - 1)
   return [(f"{NAME}({','.join(names)})", {"axis_sizes": axis_sizes, "per_axis": names})
           for names in itertools.product(*per_axis)]
 
@@ -122,24 +125,30 @@ def groups(shape: Sequence[int], axis: int) -> np.ndarray:
   return np.moveaxis(ranks, axis, -1).reshape(-1, shape[axis])
 
 
-def embed(sub: Schedule, rank_groups: np.ndarray, pieces: np.ndarray) -> Rounds:
+def embed(sub: Schedule, rank_groups: np.ndarray, pieces) -> list[Rounds]:
   """Runs ``sub`` on every group at once: sub-rank k of a group is global rank
   ``rank_groups[g, k]``, and sub-chunk c of global rank r is global chunks ``pieces[r, c]``
-  (``[N, C_sub, w]``). One round per step."""
-  pieces = np.asarray(pieces)
-  copies = len(rank_groups)
+  (``[N, C_sub, w]``, or a function of ranks [K] giving their rows [K, C_sub, w], read only
+  when the rows are). One step per step of ``sub``, one transfer per transfer of it (the
+  groups' ranks are disjoint, so what one ppermute did in a group it does in all); the
+  parts of rounds :func:`build` takes, a run of ``sub`` (:class:`Run`) kept a repeat."""
+  pieces_of = pieces if callable(pieces) else np.asarray(pieces).__getitem__
+  copies, width = len(rank_groups), pieces_of(rank_groups[:1, 0]).shape[2]
   ranks = per_array(lambda sub: rank_groups[:, sub].reshape(-1).astype(np.int32))
-  rounds = []
-  for step in sub.steps:
-    msgs = []
-    for t in step.transfers:
-      src, dst = ranks(t.src), ranks(t.dst)
-      send = pieces[src[:, None], np.tile(t.send_chunks, (copies, 1))]
-      recv = pieces[dst[:, None], np.tile(t.recv_chunks, (copies, 1))]
-      msgs.append(Messages.of(src, dst, send.reshape(len(src), -1), recv.reshape(len(dst), -1),
-                              t.combine))
-    rounds.append(msgs)
-  return rounds
+
+  def rows(ranks: np.ndarray, sub_rows):   # made when read: pricing never reads them
+    return Rows.lazy(len(ranks), sub_rows.width * width, lambda: pieces_of(ranks)[
+        np.arange(len(ranks))[:, None], np.tile(sub_rows.array, (copies, 1))
+    ].reshape(len(ranks), -1))
+
+  def copies_of(t: Transfer) -> Transfer:   # every group's copy of t: one ppermute still
+    src, dst = ranks(t.src), ranks(t.dst)
+    return Transfer(src, dst, rows(src, t.send), rows(dst, t.recv), t.combine)
+
+  step_of = lambda step: Step(tuple(map(copies_of, step.transfers)))  # noqa: E731
+  return [[step_of(part)] if isinstance(part, Step) else
+          Repeat(part.count, lambda i, make=part.make: step_of(make(i)))
+          for part in sub.steps.parts]
 
 
 def _blocked_pieces(sub: Schedule, sub_blocks: np.ndarray) -> np.ndarray:
@@ -179,15 +188,17 @@ def all_reduce(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> 
   for t in range(1, k):
     chunks = math.lcm(rs[t].num_chunks, ag[t].num_chunks, shape[t] * chunks)
   coords = np.stack(np.unravel_index(np.arange(n), shape), axis=1)
-  held = np.broadcast_to(np.arange(chunks), (n, chunks))   # [N, h]: the chunks rank r reduces
+  # Functions of ranks [K], made only when rows are read: [K, h], the chunks each reduces.
+  held = lambda r: np.broadcast_to(np.arange(chunks), (len(r), chunks))  # noqa: E731
   down, up = [], []
   for t in range(k - 1, 0, -1):
-    parts = held.reshape(n, shape[t], -1)                  # sub-block j of rank r
-    down += embed(rs[t], groups(shape, t), _blocked_pieces(rs[t], parts))
-    up = embed(ag[t], groups(shape, t), _blocked_pieces(ag[t], parts)) + up
-    held = parts[np.arange(n), coords[:, t]]
-  middle = embed(top, groups(shape, 0), held.reshape(n, top.num_chunks, -1))
-  return build("all_reduce", NAME, n, chunks, down, middle, up, axis_sizes=shape)
+    parts = lambda r, held=held, t=t: held(r).reshape(len(r), shape[t], -1)  # noqa: E731
+    down += embed(rs[t], groups(shape, t), lambda r, p=parts, t=t: _blocked_pieces(rs[t], p(r)))
+    up = embed(ag[t], groups(shape, t), lambda r, p=parts, t=t: _blocked_pieces(ag[t], p(r))) + up
+    held = lambda r, p=parts, t=t: p(r)[np.arange(len(r)), coords[r, t]]  # noqa: E731
+  middle = embed(top, groups(shape, 0),
+                 lambda r: held(r).reshape(len(r), top.num_chunks, -1))
+  return build("all_reduce", NAME, n, chunks, *down, *middle, *up, axis_sizes=shape)
 
 
 def _blocked(primitive: str, n: int, axis_sizes, per_axis, stage_pieces,
@@ -208,16 +219,20 @@ def _blocked(primitive: str, n: int, axis_sizes, per_axis, stage_pieces,
   ranks = np.arange(n).reshape(shape)
   rounds, done = [], []
   for t in order:
-    fixed = done if primitive == "reduce_scatter" else [u for u in range(k)
-                                                        if u not in done and u != t]
+    fixed = list(done) if primitive == "reduce_scatter" else [u for u in range(k)
+                                                              if u not in done and u != t]
     free = [u for u in range(k) if u not in fixed and u != t]
     by_rank = np.transpose(ranks, fixed + [t] + free)       # [*fixed, s_t, *free]
-    blocks = (by_rank[tuple(coords[:, fixed].T)] if fixed   # [N, s_t, *free]: blocks q
-              else np.broadcast_to(by_rank, (n,) + by_rank.shape))
-    sub_blocks = (blocks.reshape(n, shape[t], -1, 1) * g + np.arange(g)).reshape(n, shape[t], -1)
-    rounds += embed(stages[t], groups(shape, t), _blocked_pieces(stages[t], sub_blocks))
+
+    def pieces(r, t=t, fixed=fixed, by_rank=by_rank):      # ranks [K] -> [K, C_sub, w]
+      blocks = (by_rank[tuple(coords[r][:, fixed].T)] if fixed  # [K, s_t, *free]: blocks q
+                else np.broadcast_to(by_rank, (len(r),) + by_rank.shape))
+      sub_blocks = blocks.reshape(len(r), shape[t], -1, 1) * g + np.arange(g)
+      return _blocked_pieces(stages[t], sub_blocks.reshape(len(r), shape[t], -1))
+
+    rounds += embed(stages[t], groups(shape, t), pieces)
     done.append(t)
-  return build(primitive, NAME, n, n * g, rounds, axis_sizes=shape)
+  return build(primitive, NAME, n, n * g, *rounds, axis_sizes=shape)
 
 
 @register("reduce_scatter", NAME, **_META)
@@ -232,7 +247,7 @@ def all_gather(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> 
                   order=range(len(axis_sizes or ())))
 
 
-@register("all_to_all", NAME, **_META)
+@register("all_to_all", NAME, max_devices=1024, **_META)   # built rank by rank: O(N^2)
 def all_to_all(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> Schedule:
   """Dimension-ordered all-to-all; see the module docstring.
 
@@ -275,7 +290,7 @@ def all_to_all(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> 
           rows.append(moved[b])
         recv.append(tuple(rows))
       pieces.append(send + recv)
-    stage_rounds = [r for r in embed(sub, groups(shape, t), np.array(pieces)) if r]
+    stage_rounds = [r for part in embed(sub, groups(shape, t), np.array(pieces)) for r in part]
     spans.append((t, len(rounds), len(rounds) + len(stage_rounds)))
     rounds += stage_rounds
     loc.update(moved)

@@ -14,29 +14,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxcoll._src.algorithms.common import Fold, Rounds, block_rows, build
+from jaxcoll._src.algorithms.common import Fold, build, by_key
 from jaxcoll._src.algorithms.registry import register
 from jaxcoll._src.schedule import Messages
 
 
-def _exchange_rounds(fold: Fold, held: np.ndarray, combine) -> Rounds:
-  """Virtual rank v exchanges the chunks it holds (``held``: [P, C] bools) with v ^ mask."""
-  v = np.arange(fold.p)
-  rounds: Rounds = []
-  mask = 1
-  while mask < fold.p:
-    src, dst = fold.partners(mask)
-    rounds.append(Messages.ragged(src, dst, block_rows(held), combine=combine))
-    if combine == "copy":
-      held = held | held[v ^ mask]
-    mask <<= 1
-  return rounds
+def _masks(fold: Fold) -> list[int]:
+  return [1 << k for k in range(fold.p.bit_length() - 1)]
 
 
 @register("all_reduce", "recursive_doubling", stage=True, fit=True)
 def all_reduce(n: int):
+  """Virtual rank v and v ^ mask exchange the whole buffer (one chunk) and reduce."""
   fold = Fold(n)
-  rounds = _exchange_rounds(fold, np.ones((fold.p, 1), bool), "reduce")
+  rounds = [[Messages.of(*fold.partners(mask), [[0]], combine="reduce")] for mask in _masks(fold)]
   pre = fold.pre([[0]]) if fold.extra else []
   post = fold.post([[0]]) if fold.extra else []
   return build("all_reduce", "recursive_doubling", n, 1, pre, rounds, post)
@@ -45,9 +36,10 @@ def all_reduce(n: int):
 @register("all_gather", "recursive_doubling")
 def all_gather(n: int):
   fold = Fold(n)
-  held = np.zeros((fold.p, n), bool)                 # block b starts at its owner
-  held[fold.virtual[fold.owner(np.arange(n))], np.arange(n)] = True
-  rounds = _exchange_rounds(fold, held, "copy")
+  v = np.arange(fold.p)
+  dest = fold.virtual[fold.owner(np.arange(n))]      # block b starts at its owner
+  rounds = [by_key(*fold.partners(mask), dest // mask, v // mask, "copy")   # v holds the blocks
+            for mask in _masks(fold)]                # whose dest agrees with v above mask
   pre = fold.pre(np.arange(n), "copy") if fold.extra else []
   post = fold.post(np.arange(n)[None]) if fold.extra else []
   return build("all_gather", "recursive_doubling", n, n, pre, rounds, post)

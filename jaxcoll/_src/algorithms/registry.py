@@ -46,6 +46,10 @@ class Algorithm:
     variants: for a multi-axis algorithm, ``variants(primitive, axis_sizes)`` lists the
       (label, options) auto weighs (replaces ``tune``).
     label: ``label(primitive, num_axes)``, the name the default variant is shown as.
+    max_devices: auto weighs it (alone or as a stage) only on meshes of at most this many
+      devices. The cost model reads each distinct permutation of a schedule once, so an
+      algorithm with a permutation of its own every step (pairwise exchange: N - 1 of N
+      messages) costs O(N^2) to price; a call that names it runs at any size.
   """
 
   primitive: str
@@ -59,6 +63,7 @@ class Algorithm:
   formula: Callable[[int], tuple[int, float]] | None = None
   variants: Variants | None = None
   label: Callable[[str, int], str] | None = None
+  max_devices: int | None = None
 
   def choices(self, axis_sizes: tuple[int, ...]) -> list[tuple[str, dict]]:
     """(label, options) of every variant auto weighs on a mesh of ``axis_sizes``."""
@@ -95,12 +100,15 @@ def entry(primitive: str, name: str) -> Algorithm:
   return _REGISTRY[primitive][name]
 
 
-def entries(primitive: str, num_axes: int | None = None, **metadata) -> tuple[Algorithm, ...]:
+def entries(primitive: str, num_axes: int | None = None, *, devices: int | None = None,
+            **metadata) -> tuple[Algorithm, ...]:
   """The registered algorithms of ``primitive`` (registration order) that run over
-  ``num_axes`` mesh axes and have every given metadata value, e.g. ``stage=True``."""
+  ``num_axes`` mesh axes, that auto weighs on meshes of ``devices`` devices
+  (``max_devices``), and that have every given metadata value, e.g. ``stage=True``."""
   spec(primitive)
   return tuple(a for a in _REGISTRY[primitive].values()
                if (num_axes is None or a.num_axes <= max(num_axes, 1))
+               and (devices is None or a.max_devices is None or devices <= a.max_devices)
                and all(getattr(a, k) == v for k, v in metadata.items()))
 
 

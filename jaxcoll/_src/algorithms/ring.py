@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxcoll._src.algorithms.common import Rounds, build, merge
+from jaxcoll._src.algorithms.common import Repeat, Rounds, build, merge
 from jaxcoll._src.algorithms.registry import register
 from jaxcoll._src.schedule import Messages
 
@@ -32,7 +32,7 @@ def _rounds(n: int, chunks: ChunksOf, direction: int, lag: int, combine) -> Roun
   src = np.arange(n, dtype=np.int32)
   dst = (src + direction) % n
   blocks = lambda s: chunks((src - direction * (s + lag)) % n)  # noqa: E731
-  return [[Messages.of(src, dst, blocks(s), combine=combine)] for s in range(n - 1)]
+  return Repeat(n - 1, lambda s: [Messages.of(src, dst, blocks(s), combine=combine)])
 
 
 def reduce_scatter_rounds(n: int, chunks: ChunksOf = _block, direction: int = 1) -> Rounds:

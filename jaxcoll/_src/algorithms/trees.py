@@ -140,16 +140,16 @@ def _heights_depths(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   if (parents < 0).sum() != 1 or (parents[node] >= 0).any():
     raise AssertionError(f"not a tree: {parents}")
   height = np.zeros(n, np.int64)
-  for r in np.argsort(-depth, kind="stable").tolist():   # children before parents
-    if parents[r] >= 0:
-      height[parents[r]] = max(height[parents[r]], height[r] + 1)
+  for d in range(int(depth.max(initial=0)), 0, -1):   # a level's children before its parents
+    child = np.flatnonzero(depth == d)
+    np.maximum.at(height, parents[child], height[child] + 1)
   return height, depth
 
 
 def _pipelined_tree_rounds(parents: np.ndarray, chunks: np.ndarray) -> dict[int, list[Messages]]:
   """Step -> messages of one pipelined tree: chunk i goes up from a node of height h at step
   i + h and down from a node of depth d at step i + H + d (H: the root's height)."""
-  height, depth = _heights_depths(parents)
+  height, depth = _heights_depths(parents)   # O(depth) array passes: cheap at 16,384 ranks
   top = height.max()
   child = np.flatnonzero(parents >= 0)          # one edge per child, in rank order
   parent = parents[child]
