@@ -52,27 +52,35 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
   return arr
 
 
-_DISTINCT: dict[int, tuple[weakref.ref, bool]] = {}
+def _remembered(fn):
+  """``fn`` of rank arrays, remembered per set of (read-only) array objects while they live:
+  rank arrays shared by thousands of steps (every ring's) are read once."""
+  cache: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], object]] = {}
+
+  @functools.wraps(fn)
+  def remembered(*arrays):
+    key = tuple(map(id, arrays))
+    hit = cache.get(key)
+    if hit is not None and all(ref() is a for ref, a in zip(hit[0], arrays)):
+      return hit[1]
+    out = fn(*arrays)
+    if not any(a.flags.writeable for a in arrays):
+      if len(cache) >= 1 << 16:
+        cache.clear()
+      cache[key] = (tuple(map(weakref.ref, arrays)), out)
+    return out
+  return remembered
 
 
+@_remembered
 def _distinct(ranks: np.ndarray) -> bool:
-  """No rank twice; remembered per (read-only) array while it lives, so a rank array shared
-  by thousands of steps is checked once."""
-  hit = _DISTINCT.get(id(ranks))
-  if hit is not None and hit[0]() is ranks:
-    return hit[1]
+  """No rank twice."""
   if len(ranks) < 2:
-    out = True
-  elif ranks.min() < 0:
+    return True
+  if ranks.min() < 0:
     ordered = np.sort(ranks)
-    out = not (ordered[1:] == ordered[:-1]).any()
-  else:
-    out = bool(np.bincount(ranks).max() <= 1)
-  if not ranks.flags.writeable:
-    if len(_DISTINCT) >= 1 << 16:
-      _DISTINCT.clear()
-    _DISTINCT[id(ranks)] = (weakref.ref(ranks), out)
-  return out
+    return not (ordered[1:] == ordered[:-1]).any()
+  return bool(np.bincount(ranks).max() <= 1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -229,26 +237,32 @@ class Transfer:
     return self.send.width
 
 
-def _first_fit(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+def _first_fit(src: np.ndarray, dst: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
   """[K]: the transfer (layer) of each message, exactly as placing them one by one in order
   gives: the first layer whose sources and destinations do not hold the message's, a new
   one if none.
 
   Only earlier messages that share a source or destination decide a message's layer, so
   every round places at once each message that no unplaced earlier one shares a rank with
-  (a tree's step takes two or three rounds, not one per message)."""
-  if _distinct(src) and _distinct(dst):
+  (a tree's step takes two or three rounds, not one per message); a group (``sizes`` cuts
+  the messages into groups) with distinct sources and destinations is one round."""
+  if len(sizes) == 1 and _distinct(src) and _distinct(dst):
     return np.zeros(len(src), np.int64)
   n = int(max(src.max(), dst.max())) + 1
   used_src, used_dst = np.zeros((0, n), bool), np.zeros((0, n), bool)
   layer = np.empty(len(src), np.int64)
+  ends = np.cumsum(sizes)
   todo = np.arange(len(src))
   while len(todo):
-    ready = np.zeros(len(todo), bool)
-    ready[np.unique(src[todo], return_index=True)[1]] = True
-    first_dst = np.zeros(len(todo), bool)
-    first_dst[np.unique(dst[todo], return_index=True)[1]] = True
-    ready &= first_dst
+    first = int(np.sum(todo < ends[np.searchsorted(ends, todo[0], side="right")]))
+    if _distinct(src[todo[:first]]) and _distinct(dst[todo[:first]]):
+      ready = np.arange(len(todo)) < first   # the rest of the first unplaced one's group
+    else:
+      ready = np.zeros(len(todo), bool)
+      ready[np.unique(src[todo], return_index=True)[1]] = True
+      first_dst = np.zeros(len(todo), bool)
+      first_dst[np.unique(dst[todo], return_index=True)[1]] = True
+      ready &= first_dst
     s, d = src[todo[ready]], dst[todo[ready]]
     fits = ~used_src[:, s] & ~used_dst[:, d]                   # [layers, messages]
     first = np.where(fits.any(0), fits.argmax(0) if len(fits) else 0, len(used_src))
@@ -260,6 +274,14 @@ def _first_fit(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     layer[todo[ready]] = first
     todo = todo[~ready]
   return layer
+
+
+@_remembered
+def _packed(*ranks: np.ndarray) -> np.ndarray:
+  """:func:`_first_fit` of groups given as their sources, then their destinations (a run's
+  steps pack alike: once)."""
+  src, dst = ranks[:len(ranks) // 2], ranks[len(ranks) // 2:]
+  return _first_fit(np.concatenate(src), np.concatenate(dst), [len(s) for s in src])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +314,7 @@ class Step:
         continue
       src, dst, order = (np.concatenate(f) for f in zip(*((g.src, g.dst, at) for g, at in gs)))
       send, recv = (Rows.concat([g[i] for g, _ in gs]) for i in (2, 3))
-      layer = _first_fit(src, dst)
+      layer = _packed(*(g.src for g, _ in gs), *(g.dst for g, _ in gs))
       whole = {int(at[0]): g for g, at in gs}   # a transfer of one whole group keeps its arrays
       for j in range(layer.max() + 1):
         idx = np.flatnonzero(layer == j)
@@ -373,13 +395,13 @@ def per_array(fn):
   Schedules share rank arrays between steps (a ring's thousands of steps hold one
   permutation), so whatever is computed from them alone is computed once; the cache lives
   as long as the returned function (one pass over one schedule)."""
-  cache: dict[tuple[int, ...], object] = {}
+  cache: dict[tuple[int, ...], tuple[tuple, object]] = {}
 
   def cached(*arrays):
     key = tuple(map(id, arrays))
     if key not in cache:
-      cache[key] = fn(*arrays)
-    return cache[key]
+      cache[key] = (arrays, fn(*arrays))   # holds the arrays: their ids stay theirs
+    return cache[key][1]
   return cached
 
 

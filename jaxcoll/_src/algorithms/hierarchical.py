@@ -134,12 +134,12 @@ def embed(sub: Schedule, rank_groups: np.ndarray, pieces) -> list[Rounds]:
   parts of rounds :func:`build` takes, a run of ``sub`` (:class:`Run`) kept a repeat."""
   pieces_of = pieces if callable(pieces) else np.asarray(pieces).__getitem__
   copies, width = len(rank_groups), pieces_of(rank_groups[:1, 0]).shape[2]
+  everyone = functools.cache(lambda: pieces_of(np.arange(rank_groups.size)))   # [N, C_sub, w]
   ranks = per_array(lambda sub: rank_groups[:, sub].reshape(-1).astype(np.int32))
 
   def rows(ranks: np.ndarray, sub_rows):   # made when read: pricing never reads them
-    return Rows.lazy(len(ranks), sub_rows.width * width, lambda: pieces_of(ranks)[
-        np.arange(len(ranks))[:, None], np.tile(sub_rows.array, (copies, 1))
-    ].reshape(len(ranks), -1))
+    return Rows.lazy(len(ranks), sub_rows.width * width, lambda: everyone()[
+        ranks[:, None], np.tile(sub_rows.array, (copies, 1))].reshape(len(ranks), -1))
 
   def copies_of(t: Transfer) -> Transfer:   # every group's copy of t: one ppermute still
     src, dst = ranks(t.src), ranks(t.dst)
@@ -216,7 +216,7 @@ def _blocked(primitive: str, n: int, axis_sizes, per_axis, stage_pieces,
   g = math.lcm(*(s.blocks_per_rank for s in stages.values()))
   k = len(shape)
   coords = np.stack(np.unravel_index(np.arange(n), shape), axis=1)
-  ranks = np.arange(n).reshape(shape)
+  ranks = np.arange(n, dtype=np.int32).reshape(shape)   # int32: the [N, N g] rows halve
   rounds, done = [], []
   for t in order:
     fixed = list(done) if primitive == "reduce_scatter" else [u for u in range(k)
@@ -227,7 +227,7 @@ def _blocked(primitive: str, n: int, axis_sizes, per_axis, stage_pieces,
     def pieces(r, t=t, fixed=fixed, by_rank=by_rank):      # ranks [K] -> [K, C_sub, w]
       blocks = (by_rank[tuple(coords[r][:, fixed].T)] if fixed  # [K, s_t, *free]: blocks q
                 else np.broadcast_to(by_rank, (len(r),) + by_rank.shape))
-      sub_blocks = blocks.reshape(len(r), shape[t], -1, 1) * g + np.arange(g)
+      sub_blocks = blocks.reshape(len(r), shape[t], -1, 1) * g + np.arange(g, dtype=np.int32)
       return _blocked_pieces(stages[t], sub_blocks.reshape(len(r), shape[t], -1))
 
     rounds += embed(stages[t], groups(shape, t), pieces)
