@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 import tracemalloc
 
@@ -193,20 +194,36 @@ def test_prices_16384_devices_in_under_a_second(primitive, shape):
   assert seconds < 1.0
 
 
-@pytest.mark.parametrize("primitive", ["reduce_scatter", "all_gather", "all_to_all"])
-def test_pairwise_exchange_is_weighed_up_to_1024_devices(primitive):
-  """Its N - 1 permutations cost O(N^2) to price: auto leaves it out above 1,024 devices,
-  alone and as a stage, and explain says so; a call that names it still gets it."""
-  prof = Profile.preset("cpu")
-  labels = lambda shape: {c.label for c in dispatch.candidates(  # noqa: E731
-      primitive, tuple("ab"[:len(shape)]), shape, 1 << 20, prof)}
-  assert "direct" in labels((1024,)) and "direct" not in labels((2048,))
-  assert cost.not_weighed(primitive, (2048,)) == ("direct",)
-  assert cost.not_weighed(primitive, (1024,)) == ()
-  if primitive != "all_to_all":
-    assert any("direct" in label for label in labels((2, 512)))
-    assert not any("direct" in label for label in labels((2, 1024)))
-    assert "direct (as a stage)" in cost.not_weighed(primitive, (2, 1024))
-  why = jaxcoll.explain(primitive, np.zeros(2048 * 4, np.float32), {"x": 2048}, "x")
-  assert "not weighed on 2048 devices: direct" in str(why)
-  assert jaxcoll.schedule(primitive, "direct", 2048).num_steps == 2047
+LIMITED = [(p, a.name, a.max_devices) for p in jaxcoll.PRIMITIVES for a in entries(p, num_axes=1)
+           if a.max_devices]
+
+
+def labels(primitive, shape):
+  return {c.label for c in dispatch.candidates(primitive, tuple("ab"[:len(shape)]), shape,
+                                               1 << 20, Profile.preset("cpu"))}
+
+
+def weighed(primitive, shape):
+  return {label.split("(")[0] for label in labels(primitive, shape)}
+
+
+@pytest.mark.parametrize("primitive,algorithm,limit", LIMITED)
+def test_an_algorithm_is_weighed_up_to_its_max_devices(primitive, algorithm, limit):
+  """Pairwise exchange (N - 1 permutations of N messages, O(N^2) to price) and the chain
+  broadcast (N + S - 2 permutations) are left out beyond their ``max_devices``, and explain
+  says so; a call that names them still gets them."""
+  assert algorithm in weighed(primitive, (limit,))
+  assert algorithm not in weighed(primitive, (2 * limit,))
+  assert algorithm in cost.not_weighed(primitive, (2 * limit,))
+  assert cost.not_weighed(primitive, (limit,)) == ()
+  why = jaxcoll.explain(primitive, np.zeros(2 * limit * 4, np.float32), {"x": 2 * limit}, "x")
+  assert f"not weighed on {2 * limit} devices: " in str(why) and algorithm in str(why)
+  assert jaxcoll.schedule(primitive, algorithm, 2 * limit).num_steps >= 2 * limit - 1
+
+
+@pytest.mark.parametrize("primitive", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_pairwise_exchange_is_left_out_as_a_stage_beyond_1024_devices(primitive):
+  stage = re.compile(r"\bdirect\b")   # not bidirectional_ring
+  assert any(stage.search(label) for label in labels(primitive, (2, 512)))
+  assert not any(stage.search(label) for label in labels(primitive, (2, 1024)))
+  assert "direct (as a stage)" in cost.not_weighed(primitive, (2, 1024))

@@ -45,6 +45,8 @@ def all_to_all(n: int):
     moving = np.array([i for i in range(1, n) if i & dist])
     dst = (r + dist) % n
     last = moving >> (k + 1) == 0   # the block's last hop: into the output row of its origin
-    lands = np.where(last, n + (dst[:, None] - moving) % n, (dst[:, None] + moving) % n)
-    rounds.append([Messages.of(r, dst, (r[:, None] + moving) % n, lands, "copy")])
+    send = Rows.lazy(n, len(moving), lambda moving=moving: (r[:, None] + moving) % n)
+    recv = Rows.lazy(n, len(moving), lambda dst=dst, moving=moving, last=last: np.where(
+        last, n + (dst[:, None] - moving) % n, (dst[:, None] + moving) % n))
+    rounds.append([Messages.of(r, dst, send, recv, "copy")])
   return build("all_to_all", "bruck", n, 2 * n, rounds)
