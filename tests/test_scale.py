@@ -194,7 +194,7 @@ def test_prices_16384_devices_in_under_a_second(primitive, shape):
   assert seconds < 1.0
 
 
-LIMITED = [(p, a.name, a.max_devices) for p in jaxcoll.PRIMITIVES for a in entries(p, num_axes=1)
+LIMITED = [(p, a.name, a.max_devices, a.num_axes) for p in jaxcoll.PRIMITIVES for a in entries(p)
            if a.max_devices]
 
 
@@ -207,18 +207,22 @@ def weighed(primitive, shape):
   return {label.split("(")[0] for label in labels(primitive, shape)}
 
 
-@pytest.mark.parametrize("primitive,algorithm,limit", LIMITED)
-def test_an_algorithm_is_weighed_up_to_its_max_devices(primitive, algorithm, limit):
-  """Pairwise exchange (N - 1 permutations of N messages, O(N^2) to price) and the chain
-  broadcast (N + S - 2 permutations) are left out beyond their ``max_devices``, and explain
-  says so; a call that names them still gets them."""
-  assert algorithm in weighed(primitive, (limit,))
-  assert algorithm not in weighed(primitive, (2 * limit,))
-  assert algorithm in cost.not_weighed(primitive, (2 * limit,))
-  assert cost.not_weighed(primitive, (limit,)) == ()
-  why = jaxcoll.explain(primitive, np.zeros(2 * limit * 4, np.float32), {"x": 2 * limit}, "x")
-  assert f"not weighed on {2 * limit} devices: " in str(why) and algorithm in str(why)
-  assert jaxcoll.schedule(primitive, algorithm, 2 * limit).num_steps >= 2 * limit - 1
+@pytest.mark.parametrize("primitive,algorithm,limit,num_axes", LIMITED)
+def test_an_algorithm_is_weighed_up_to_its_max_devices(primitive, algorithm, limit, num_axes):
+  """Pairwise exchange (N - 1 permutations of N messages, O(N^2) to price), the chain
+  broadcast (N + S - 2 permutations) and the hierarchical all_to_all (built rank by rank)
+  are left out beyond their ``max_devices``, and explain says so; a call that names them
+  still gets them."""
+  shape = lambda n: (n,) if num_axes == 1 else (2, n // 2)  # noqa: E731
+  assert algorithm in weighed(primitive, shape(limit))
+  assert algorithm not in weighed(primitive, shape(2 * limit))
+  assert algorithm in cost.not_weighed(primitive, shape(2 * limit))
+  assert algorithm not in cost.not_weighed(primitive, shape(limit))
+  mesh = dict(zip("ab", shape(2 * limit)))
+  why = str(jaxcoll.explain(primitive, np.zeros(2 * limit * 4, np.float32), mesh, tuple(mesh)))
+  assert f"not weighed on {2 * limit} devices: " in why and algorithm in why
+  options = {"axis_sizes": shape(2 * limit)} if num_axes > 1 else {}
+  assert jaxcoll.schedule(primitive, algorithm, 2 * limit, **options).num_steps >= 1
 
 
 @pytest.mark.parametrize("primitive", ["all_reduce", "reduce_scatter", "all_gather"])

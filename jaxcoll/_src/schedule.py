@@ -204,12 +204,11 @@ class Transfer:
       raise ValueError("Transfer needs one src, dst, send and recv entry per message")
     try:
       send, recv = Rows.of(self.send, n), Rows.of(self.recv, n)
-    except ValueError as e:   # ragged, or rows for other messages
-      if "chunk rows" in str(e):
-        raise ValueError("Transfer needs one src, dst, send and recv entry per message") from e
-      send = recv = None
-    if send is None or send.width != recv.width:
-      raise ValueError("every message of a Transfer must carry the same number of chunks")
+      if send.width != recv.width:
+        raise ValueError(f"{send.width} chunks sent, {recv.width} received")
+    except ValueError as e:   # ragged, rows for other messages, or widths that differ
+      raise ValueError("every message of a Transfer must carry the same number of chunks, "
+                       f"one row of them per message: {e}") from e
     for name, value in (("src", src), ("dst", dst), ("send", send), ("recv", recv)):
       object.__setattr__(self, name, value)
     if not (_distinct(src) and _distinct(dst)):

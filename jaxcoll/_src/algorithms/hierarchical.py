@@ -27,7 +27,9 @@ all_to_all: dimension-ordered routing, innermost axis first. A stage over axis
   and the inner axis carries (i-1)/i * M more. Blocks in flight live in
   workspace rows, one region of N per stage but the last. ``stage_pieces`` cuts a
   stage's steps after the whole schedule is built (every block in pieces, only
-  that stage's steps cut: :meth:`Schedule.in_pieces` with ``steps``).
+  that stage's steps cut: :meth:`Schedule.in_pieces` with ``steps``). It is built rank by
+  rank in Python (O(N^2)), so auto weighs it on meshes of at most 64 devices
+  (``max_devices``; 1 s at 128); a call that names it runs at any size.
 """
 
 from __future__ import annotations
@@ -188,16 +190,22 @@ def all_reduce(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> 
   for t in range(1, k):
     chunks = math.lcm(rs[t].num_chunks, ag[t].num_chunks, shape[t] * chunks)
   coords = np.stack(np.unravel_index(np.arange(n), shape), axis=1)
-  # Functions of ranks [K], made only when rows are read: [K, h], the chunks each reduces.
-  held = lambda r: np.broadcast_to(np.arange(chunks), (len(r), chunks))  # noqa: E731
+
+  def held(r):   # [K, h]: the chunks each of ranks r reduces (functions: made when read)
+    return np.broadcast_to(np.arange(chunks), (len(r), chunks))
+
   down, up = [], []
   for t in range(k - 1, 0, -1):
-    parts = lambda r, held=held, t=t: held(r).reshape(len(r), shape[t], -1)  # noqa: E731
+    def parts(r, held=held, t=t):   # [K, s_t, h / s_t]: sub-block j of each rank's chunks
+      return held(r).reshape(len(r), shape[t], -1)
+
     down += embed(rs[t], groups(shape, t), lambda r, p=parts, t=t: _blocked_pieces(rs[t], p(r)))
     up = embed(ag[t], groups(shape, t), lambda r, p=parts, t=t: _blocked_pieces(ag[t], p(r))) + up
-    held = lambda r, p=parts, t=t: p(r)[np.arange(len(r)), coords[r, t]]  # noqa: E731
-  middle = embed(top, groups(shape, 0),
-                 lambda r: held(r).reshape(len(r), top.num_chunks, -1))
+
+    def held(r, parts=parts, t=t):   # the sub-block of its own coordinate
+      return parts(r)[np.arange(len(r)), coords[r, t]]
+
+  middle = embed(top, groups(shape, 0), lambda r: held(r).reshape(len(r), top.num_chunks, -1))
   return build("all_reduce", NAME, n, chunks, *down, *middle, *up, axis_sizes=shape)
 
 
@@ -247,7 +255,7 @@ def all_gather(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> 
                   order=range(len(axis_sizes or ())))
 
 
-@register("all_to_all", NAME, max_devices=1024, **_META)   # built rank by rank: O(N^2)
+@register("all_to_all", NAME, max_devices=64, **_META)   # built rank by rank in Python: O(N^2)
 def all_to_all(n: int, *, axis_sizes=None, per_axis=None, stage_pieces=None) -> Schedule:
   """Dimension-ordered all-to-all; see the module docstring.
 
