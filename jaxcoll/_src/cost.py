@@ -285,7 +285,10 @@ def not_weighed(primitive: str, axis_sizes: Sequence[int]) -> tuple[str, ...]:
   (``max_devices``): the primitive's algorithms, and on several axes the stage algorithms
   (a hierarchical stage of ``primitive`` or of the reduce_scatter twin of its inner stages)."""
   shape, n = tuple(axis_sizes), math.prod(axis_sizes)
-  left = lambda algos: [a.name for a in algos if a.max_devices is not None and n > a.max_devices]  # noqa: E731
+
+  def left(algos):
+    return [a.name for a in algos if a.max_devices is not None and n > a.max_devices]
+
   out = left(entries(primitive, num_axes=len(shape)))
   if len(shape) > 1:
     stages = entries(primitive, stage=True) + entries("reduce_scatter", stage=True)
