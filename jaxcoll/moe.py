@@ -2,15 +2,15 @@
 
 from jaxcoll._src.integrations.moe import (
   RoutingState,
-  capacity,
   combine,
   dispatch,
   load_balancing_loss,
   route,
   router_z_loss,
+  total_dropped,
 )
-from jaxcoll._src.integrations.moe_cost import MoECall, MoEExplanation
+from jaxcoll._src.integrations.moe_cost import MoECall, MoEExplanation, capacity
 from jaxcoll._src.integrations.moe_cost import explain_moe as explain
 
 __all__ = ("MoECall", "MoEExplanation", "RoutingState", "capacity", "combine", "dispatch",
-           "explain", "load_balancing_loss", "route", "router_z_loss")
+           "explain", "load_balancing_loss", "route", "router_z_loss", "total_dropped")

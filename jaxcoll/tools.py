@@ -13,10 +13,13 @@ The building blocks of an integration (what ``jaxcoll.fsdp``, ``jaxcoll.moe``,
 ``jaxcoll.optax`` and ``jaxcoll.use`` are written with, besides the collectives): axis
 names and sizes inside shard_map (:func:`normalize_axes`, :func:`axis_size`,
 :func:`axis_sizes`), varying/invariant typing (:func:`make_varying`,
-:func:`check_vma_enabled`), argument checks (:func:`check_op`, :func:`check_choice`),
+:func:`check_vma_enabled`), argument checks (:func:`check_op`, :func:`check_choice`,
+:func:`check_algorithm`, :func:`check_accumulate`, :func:`check_int`, :func:`check_number`,
+:func:`check_flag`, :func:`check_floating`: each error names the argument),
 wire formats (:func:`wire_format`, :func:`compresses`), auto's margin over the lax
-collective (:data:`NATIVE_MARGIN`) and the explanation helpers (:func:`mesh_shape`,
-:func:`format_seconds`).
+collective (:data:`NATIVE_MARGIN`), meshes and their axes outside shard_map
+(:func:`mesh_shape`, :func:`axes_in_mesh`) and the explanation helper
+(:func:`format_seconds`).
 """
 
 from jaxcoll._src.algorithms import NATIVE, label
@@ -24,6 +27,13 @@ from jaxcoll._src.axes import normalize as normalize_axes
 from jaxcoll._src.axes import size as axis_size
 from jaxcoll._src.axes import sizes as axis_sizes
 from jaxcoll._src.calibrate import Measurements, fit, measure
+from jaxcoll._src.checks import accumulate as check_accumulate
+from jaxcoll._src.checks import algorithm as check_algorithm
+from jaxcoll._src.checks import axes_in_mesh, mesh_shape
+from jaxcoll._src.checks import flag as check_flag
+from jaxcoll._src.checks import floating as check_floating
+from jaxcoll._src.checks import integer as check_int
+from jaxcoll._src.checks import number as check_number
 from jaxcoll._src.collectives import flat_call
 from jaxcoll._src.config import check_choice
 from jaxcoll._src.cost import clear_caches, native_equivalents
@@ -35,7 +45,6 @@ from jaxcoll._src.dispatch import (
     pick,
     profile_in_use,
 )
-from jaxcoll._src.explain import mesh_shape
 from jaxcoll._src.ops import check_op
 from jaxcoll._src.replicated import check_vma_enabled, make_varying
 from jaxcoll._src.spec import CollectiveSpec, primitives, spec
@@ -43,10 +52,10 @@ from jaxcoll._src.timing import interleaved
 from jaxcoll._src.units import format_seconds, format_size, parse_size
 from jaxcoll._src.wire import compresses, wire_format
 
-__all__ = ("NATIVE", "NATIVE_MARGIN", "Candidate", "CollectiveSpec", "Measurements",
-           "auto_label", "axis_size", "axis_sizes", "candidates", "check_choice", "check_op",
-           "clear_caches",
-           "check_vma_enabled", "compresses", "fit", "flat_call", "format_seconds",
-           "format_size", "interleaved", "label", "make_varying", "measure", "mesh_shape",
-           "native_equivalents", "normalize_axes", "parse_size", "pick", "primitives",
-           "profile_in_use", "spec", "wire_format")
+__all__ = ("NATIVE", "NATIVE_MARGIN", "Candidate", "CollectiveSpec", "Measurements", "auto_label",
+           "axes_in_mesh", "axis_size", "axis_sizes", "candidates", "check_accumulate",
+           "check_algorithm", "check_choice", "check_flag", "check_floating", "check_int",
+           "check_number", "check_op", "check_vma_enabled", "clear_caches", "compresses", "fit",
+           "flat_call", "format_seconds", "format_size", "interleaved", "label", "make_varying",
+           "measure", "mesh_shape", "native_equivalents", "normalize_axes", "parse_size", "pick",
+           "primitives", "profile_in_use", "spec", "wire_format")

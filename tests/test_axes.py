@@ -158,7 +158,7 @@ def test_normalize_gives_a_tuple_in_the_order_given_and_sizes_follow_it(given, w
 @pytest.mark.parametrize("axis_name,match", [
     ((), "at least one mesh axis"),
     ([], "at least one mesh axis"),
-    (("x", "x"), r"axis_name \('x', 'x'\) repeats an axis"),
+    (("x", "x"), r"axis_name=\('x', 'x'\) repeats an axis"),
     (["y", "x", "y"], "repeats an axis"),
     ("w", r"axis_name='w' is not an axis of the enclosing shard_map; "
           r"bound axes: \('x', 'y'\)"),

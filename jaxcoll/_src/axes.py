@@ -18,14 +18,12 @@ import jax
 import numpy as np
 from jax import lax
 
+from jaxcoll._src import checks
+
 
 def normalize(axis_name) -> tuple[str, ...]:
   """``axis_name`` as a tuple of mesh axis names, checked against the enclosing shard_map."""
-  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  if not axes:
-    raise ValueError("axis_name must name at least one mesh axis, got ()")
-  if len(set(axes)) != len(axes):
-    raise ValueError(f"axis_name {axis_name!r} repeats an axis")
+  axes = checks.axis_tuple(axis_name)
   mesh = jax.sharding.get_abstract_mesh()
   bound = tuple(getattr(mesh, "manual_axes", ()) or ())
   for a in axes:

@@ -23,8 +23,8 @@ import numpy as np
 from jax import lax
 
 from jaxcoll._src import axes as axes_lib
+from jaxcoll._src import checks, dispatch, layout, ops
 from jaxcoll._src import config as config_lib
-from jaxcoll._src import dispatch, layout, ops
 from jaxcoll._src import spec as spec_lib
 from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.algorithms import NATIVE, schedule
@@ -42,16 +42,6 @@ def _prepare(x, op: str | None):
     if x.dtype == bool and op in ("sum", "mean"):
       x = x.astype(jnp.int32)
   return x
-
-
-def _check_accumulate(accumulate_dtype, dtype):
-  if accumulate_dtype is None:
-    return None
-  acc = np.dtype(accumulate_dtype)
-  if not (jnp.issubdtype(dtype, jnp.inexact) and jnp.issubdtype(acc, jnp.inexact)):
-    raise ValueError(f"accumulate_dtype={acc.name} applies to floating inputs with a floating "
-                     f"accumulator; got input dtype {np.dtype(dtype).name}")
-  return acc if acc != dtype else None
 
 
 def _finish_mean(y, op: str, n: int):
@@ -162,16 +152,20 @@ def _collective(primitive: str, x, axis_name, algorithm, *, native, finish, op=N
   n = axes_lib.size(axes)
   move = move or (lambda v: v)
 
+  checks.algorithm(primitive, algorithm, num_axes=len(axes))
+
   def leaf(x):
     x = _prepare(x, op)
     if check is not None:
       check(x)
-    acc = _check_accumulate(accumulate_dtype, x.dtype) if facts.reduces else None
+    acc = checks.accumulate(accumulate_dtype, x.dtype) if facts.reduces else None
     fmt = _wire(wire_dtype, x.dtype, wire_block_size, acc) if facts.wire else None
+    if x.size == 0:   # nothing to send: lax's (empty) answer whatever the algorithm
+      return native(x)
     algo, chosen = _resolve(primitive, algorithm, axes, x, facts.message_bytes(x.nbytes, n),
                             accumulate=acc, wire=fmt)
-    if algo == NATIVE:
-      return native(x)
+    if algo == NATIVE:   # accumulate_dtype: lax's collective on the wider partial sums
+      return native(x) if acc is None else native(x.astype(acc)).astype(x.dtype)
 
     def run(x, wire):
       moved = move(make_varying(x, axes))
@@ -243,6 +237,7 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
   """
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
+  checks.flag(tiled, "tiled")
   dim = lambda x: _normalize_dim(scatter_dimension, x.ndim, "scatter_dimension")  # noqa: E731
 
   def check(x):
@@ -283,8 +278,8 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: s
   copies agree bit for bit). Cost (ring): N-1 steps, (N-1)/N * M bytes per device
   (M = the gathered output).
   """
-  if to not in ("varying", "invarying", "invariant"):
-    raise ValueError(f"to={to!r}: expected 'varying' or 'invarying'")
+  checks.choice(to, ("varying", "invarying", "invariant"), "to")
+  checks.flag(tiled, "tiled")
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
 
@@ -370,6 +365,7 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
   """
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
+  checks.flag(tiled, "tiled")
   split = lambda x: _normalize_dim(split_axis, x.ndim, "split_axis")  # noqa: E731
   concat = lambda x: _normalize_dim(concat_axis, x.ndim, "concat_axis")  # noqa: E731
 
@@ -407,8 +403,8 @@ def shift(x, axis_name, offset: int = 1, *, wrap: bool = True, algorithm="auto")
   """
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
-  if not isinstance(offset, (int, np.integer)) or isinstance(offset, bool):
-    raise ValueError(f"offset={offset!r} must be an int")
+  checks.integer(offset, "offset")
+  checks.flag(wrap, "wrap")
   options = {"offset": int(offset) % n if wrap else int(offset), "wrap": bool(wrap)}
   perm = [(i, (i + options["offset"]) % n) for i in range(n)
           if wrap or 0 <= i + options["offset"] < n]
@@ -428,12 +424,11 @@ def _check_split(extent: int, n: int, tiled: bool, what: str) -> None:
 
 
 def _check_root(root, n):
-  if not isinstance(root, (int, np.integer)) or not 0 <= root < n:
-    raise ValueError(f"root={root!r} must be an int in [0, {n}) for an axis of size {n}")
+  checks.integer(root, "root", least=0, most=n - 1)
 
 
 def _normalize_dim(dim, ndim: int, argument: str) -> int:
-  if not isinstance(dim, (int, np.integer)) or not -ndim <= dim < ndim:
+  if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or not -ndim <= dim < ndim:
     raise ValueError(f"{argument}={dim!r} is out of range for {ndim} dimension(s)")
   return int(dim) % ndim
 

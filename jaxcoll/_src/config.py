@@ -42,13 +42,10 @@ def current() -> Config:
 
 
 def check_choice(primitive, algorithm, where: str):
+  """``{primitive: algorithm}`` as config, ``use`` and ``JAXCOLL_ALGORITHM`` take it."""
   if primitive not in PRIMITIVES:
     raise ValueError(f"{where}: {primitive!r} is not a collective; expected one of {PRIMITIVES}")
-  name = algorithm if isinstance(algorithm, str) else getattr(algorithm, "name", None)
-  if not isinstance(name, str):
-    raise ValueError(f"{where}: algorithm {algorithm!r} for {primitive} must be a name or an "
-                     "algorithm value such as jaxcoll.Hierarchical")
-  check_algorithm(primitive, name, argument=f"{where}[{primitive!r}]")
+  check_algorithm(primitive, algorithm, argument=f"{where}[{primitive!r}]")
 
 
 class config:  # noqa: N801 (used like a function: jaxcoll.config(...))

@@ -134,13 +134,10 @@ def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],
     algorithm = config_lib.override(primitive) or "auto"
     if algorithm != "auto":
       debug_log.override(primitive, call, axis_names, str(algorithm))
+  check_algorithm(primitive, algorithm, num_axes=len(axis_sizes))
   options = {}
   if not isinstance(algorithm, str):
-    if not (hasattr(algorithm, "name") and callable(getattr(algorithm, "options", None))):
-      raise ValueError(f"algorithm={algorithm!r}: expected a name or an algorithm value "
-                       "such as jaxcoll.Hierarchical")
     algorithm, options = algorithm.name, algorithm.options()
-  check_algorithm(primitive, algorithm)
   if algorithm == "auto":
     if math.prod(axis_sizes) <= 1:
       return NATIVE, {}

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 
 import jax
 import numpy as np
 
+from jaxcoll._src import checks, cost, dispatch, ops, topology
 from jaxcoll._src import config as config_lib
-from jaxcoll._src import cost, dispatch, ops, topology
 from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.algorithms import NATIVE
 from jaxcoll._src.profile import Profile
@@ -142,6 +141,8 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
     :class:`Explanations`: one per leaf.
   """
   facts = spec(primitive)
+  if x is None:
+    raise TypeError("x=None: expected an array, a jax.ShapeDtypeStruct or a pytree of them")
   if not _is_leaf(x):
     leaves = jax.tree_util.tree_flatten_with_path(x, is_leaf=_is_leaf)[0]
     return Explanations(tuple(
@@ -149,17 +150,16 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
                                              accumulate_dtype=accumulate_dtype,
                                              wire_dtype=wire_dtype))
         for path, leaf in leaves))
-  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  shape_of = mesh_shape(mesh)
-  for a in axes:
-    if a not in shape_of:
-      raise ValueError(f"axis_name={a!r} is not an axis of the mesh; its axes: {tuple(shape_of)}")
-  sizes = tuple(int(shape_of[a]) for a in axes)
+  axes, sizes = checks.axes_in_mesh(axis_name, mesh, mapping=True)
+  shape_of = checks.mesh_shape(mesh, mapping=True)
   n = math.prod(sizes)
   dtype = np.dtype(x.dtype)
   nbytes = int(facts.message_bytes(int(math.prod(x.shape)) * dtype.itemsize, n))
-  scale = ops.partial_sum_scale(dtype, accumulate_dtype)
-  fmt = wire_lib.wire_format(wire_dtype, dtype)
+  acc = checks.accumulate(accumulate_dtype, dtype) if facts.reduces else \
+      _not_taken(primitive, "accumulate_dtype", accumulate_dtype)
+  scale = ops.partial_sum_scale(dtype, acc)
+  fmt = wire_lib.wire_format(wire_dtype, dtype) if facts.wire else \
+      _not_taken(primitive, "wire_dtype", wire_dtype)
   priced = nbytes * (fmt.ratio(dtype) if fmt else 1.0)
   profile = dispatch.profile_in_use(profile)
   topo = topology.of_mesh_shape(tuple(shape_of), tuple(shape_of.values()), axes,
@@ -186,8 +186,7 @@ def _is_leaf(x) -> bool:
   return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def mesh_shape(mesh) -> dict:
-  """``{axis name: size}`` of a ``Mesh``, an abstract mesh, or such a mapping itself."""
-  return dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
-
-
+def _not_taken(primitive: str, argument: str, value) -> None:
+  """None for an option ``primitive`` does not take, which must not be given."""
+  if value is not None:
+    raise ValueError(f"{argument}={value!r} does not apply to {primitive}")

@@ -142,19 +142,39 @@ class WireFormat:
     return dequantize(blocks, scales(exponents)[..., None]).reshape(k, length)
 
 
-def wire_format(wire_dtype, dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> WireFormat | None:
-  """The format for ``wire_dtype`` on ``dtype`` data; None where it sends ``dtype`` unchanged."""
+def wire_name(wire_dtype, where: str = "wire_dtype") -> str:
+  """The name of ``wire_dtype`` (a name, a dtype or a scalar type); ValueError naming
+  ``where`` unless numpy or ml_dtypes knows it."""
+  try:
+    return np.dtype(getattr(ml_dtypes, wire_dtype, wire_dtype) if isinstance(wire_dtype, str)
+                    else wire_dtype).name
+  except TypeError:
+    return _unknown(wire_dtype, where)
+
+
+def _unknown(wire_dtype, where: str):
+  raise ValueError(f"{where}={wire_dtype!r}: expected one of {WIRE_DTYPES}, None or x's own "
+                   "dtype (sent uncompressed)")
+
+
+def wire_format(wire_dtype, dtype, block_size: int = DEFAULT_BLOCK_SIZE, *,
+                where: str = "wire_dtype") -> WireFormat | None:
+  """The format for ``wire_dtype`` on ``dtype`` data; None where it sends ``dtype`` unchanged
+  (None, or ``dtype`` itself). The one place a wire format argument is read: errors name
+  ``where``."""
   if wire_dtype is None:
     return None
-  name = np.dtype(getattr(ml_dtypes, str(wire_dtype), wire_dtype)).name
+  name = wire_name(wire_dtype, where)
   dtype = np.dtype(dtype)
   if name == dtype.name:
     return None
+  if name not in WIRE_DTYPES:
+    _unknown(wire_dtype, where)
   fmt = WireFormat(name, block_size)
   if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"wire_dtype={name!r} compresses floating data; x has dtype {dtype.name}")
+    raise ValueError(f"{where}={name!r} compresses floating data; x has dtype {dtype.name}")
   if not fmt.scaled and dtype.itemsize <= fmt.dtype.itemsize:
-    raise ValueError(f"wire_dtype={name!r} is not smaller than x's dtype {dtype.name}")
+    raise ValueError(f"{where}={name!r} is not smaller than x's dtype {dtype.name}")
   return fmt
 
 
@@ -163,7 +183,10 @@ def compresses(wire_dtype, dtype) -> bool:
   format (bfloat16), any floating data for a block-scaled one. Integers never compress."""
   if wire_dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     return False
-  fmt = WireFormat(np.dtype(getattr(ml_dtypes, str(wire_dtype), wire_dtype)).name)
+  name = wire_name(wire_dtype)
+  if name not in WIRE_DTYPES:
+    _unknown(wire_dtype, "wire_dtype")
+  fmt = WireFormat(name)
   return fmt.scaled or np.dtype(dtype).itemsize > fmt.dtype.itemsize
 
 

@@ -121,11 +121,29 @@ def algorithms(primitive: str, num_axes: int | None = None) -> tuple[str, ...]:
   return (*(a.name for a in entries(primitive, num_axes)), NATIVE)
 
 
-def check_algorithm(primitive: str, algorithm: str, *, argument: str = "algorithm") -> None:
-  """Raises ValueError unless ``algorithm`` is ``"auto"`` or in ``algorithms(primitive)``."""
-  if algorithm != "auto" and algorithm not in algorithms(primitive):
-    raise ValueError(f"{argument}={algorithm!r} does not apply to {primitive}; expected 'auto' "
-                     f"or one of {algorithms(primitive)}")
+def check_algorithm(primitive: str, algorithm, *, num_axes: int | None = None,
+                    argument: str = "algorithm", extra: tuple[str, ...] = ()) -> None:
+  """Raises unless ``algorithm`` is "auto", a name of ``algorithms(primitive)`` (one that runs
+  over ``num_axes`` mesh axes when given), an algorithm value (``jaxcoll.Hierarchical``:
+  ``.name`` and ``.options()``) whose name is one, or one of ``extra`` (an integration's
+  own formulations). The one check of an ``algorithm=`` argument; errors name ``argument``."""
+  if isinstance(algorithm, str):
+    name = algorithm
+  elif isinstance(getattr(algorithm, "name", None), str) and \
+      callable(getattr(algorithm, "options", None)):
+    name = algorithm.name
+  else:
+    raise TypeError(f"{argument}={algorithm!r}: expected a name or an algorithm value such as "
+                    "jaxcoll.Hierarchical")
+  if name == "auto" or name in extra:
+    return
+  if name not in algorithms(primitive):
+    raise ValueError(f"{argument}={name!r} does not apply to {primitive}; expected 'auto' or "
+                     f"one of {(*extra, *algorithms(primitive))}")
+  if num_axes is not None and name not in algorithms(primitive, num_axes=num_axes):
+    need = next(a.num_axes for a in entries(primitive) if a.name == name)
+    raise ValueError(f"{argument}={name!r} runs {primitive} over a tuple of at least {need} "
+                     f"mesh axes (outer, ..., inner); axis_name names {num_axes}")
 
 
 def call_options(primitive: str, name: str, axis_sizes: Sequence[int], options=None) -> dict:

@@ -39,9 +39,6 @@ class Bucket:
 def plan(leaves, bucket_bytes: int, first_bucket_bytes: int | None = None) -> tuple[Bucket, ...]:
   """Buckets for ``leaves`` (arrays or anything with ``shape`` and ``dtype``), in the order
   their reductions should be issued: the last leaves' bucket first."""
-  for name, value in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes)):
-    if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
-      raise ValueError(f"{name}={value!r}: expected a positive number of bytes")
   first = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
   open_: dict[np.dtype, list[int]] = {}
   done_per_dtype: dict[np.dtype, int] = {}

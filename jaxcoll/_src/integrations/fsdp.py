@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src.algorithms import algorithms
 from jaxcoll._src.collectives import all_gather, reduce_scatter
-from jaxcoll.tools import normalize_axes
+from jaxcoll.tools import check_algorithm, check_floating, normalize_axes, wire_format
 
 
 @jax.tree_util.register_dataclass
@@ -168,8 +168,7 @@ def _split(axes: tuple[str, ...], secondary_axis) -> list[tuple[str, ...]]:
   then ``secondary_axis`` (the innermost of ``axes``)."""
   if secondary_axis is None:
     return [axes]
-  inner = tuple(secondary_axis) if isinstance(secondary_axis, (tuple, list)) \
-      else (secondary_axis,)
+  inner = normalize_axes(secondary_axis)
   if len(axes) <= len(inner) or axes[-len(inner):] != inner:
     raise ValueError(f"secondary_axis={secondary_axis!r} must be the innermost axes of "
                      f"axis_name={axes!r} (hpZ keeps a copy sharded over them), e.g. "
@@ -212,9 +211,23 @@ def _assemble(s: Sharded, got, num_stages: int):
   return _trim(s, full.reshape(block[:s.axis] + (-1,) + block[s.axis + 1:]))
 
 
+def check_options(algorithm, wire_dtype, grad_wire_dtype, dtype) -> dict:
+  """The gather options (:func:`gather`'s arguments), checked before anything is traced;
+  each error names its argument. Returns them as the dict the stages read."""
+  check_algorithm("all_gather", algorithm)
+  wire_format(wire_dtype, np.float32)
+  wire_format(grad_wire_dtype, np.float32, where="grad_wire_dtype")
+  check_floating(dtype, "dtype")
+  return dict(algorithm=algorithm, wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype,
+              dtype=dtype)
+
+
 def _plans(sharded, axis_name, secondary_axis, options: dict):
   """Every :class:`Sharded` leaf's gather stages (:func:`_leaf_stages`)."""
-  stages = _split(normalize_axes(axis_name), secondary_axis)
+  axes = normalize_axes(axis_name)
+  if secondary_axis is None:   # one stage over every axis: the algorithm must run over them
+    check_algorithm("all_gather", options["algorithm"], num_axes=len(axes))
+  stages = _split(axes, secondary_axis)
   return _map_sharded(lambda s: _leaf_stages(s, stages, options), sharded)
 
 
@@ -247,8 +260,7 @@ def gather(params, axis_name, *, algorithm="auto", wire_dtype=None, grad_wire_dt
   axes (a sum, as lax's all_gather transposes to psum_scatter), computed in float32 at least.
   Cost per stage of n devices (ring): forward (n-1)/n * M, backward the same.
   """
-  options = dict(algorithm=algorithm, wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype,
-                 dtype=dtype)
+  options = check_options(algorithm, wire_dtype, grad_wire_dtype, dtype)
   return _map_sharded(lambda s, p: _assemble(s, _run(s.value, p), len(p)), params,
                       _plans(params, axis_name, secondary_axis, options))
 
@@ -268,8 +280,9 @@ def layer(fn: Callable, axis_name, *, secondary_axis=None, algorithm="auto", wir
   of the step. Peak memory: the blocks, the saved layer inputs, one layer's gathered
   parameters and gradients (two while XLA overlaps neighbours).
   """
-  options = dict(algorithm=algorithm, wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype,
-                 dtype=dtype)
+  options = check_options(algorithm, wire_dtype, grad_wire_dtype, dtype)
+  if not callable(fn):
+    raise TypeError(f"layer: fn={fn!r}: expected a function fn(params, *args)")
   kept = 0 if secondary_axis is None else 1    # stages whose result forward keeps
 
   plan = lambda sharded: _plans(sharded, axis_name, secondary_axis, options)   # noqa: E731

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src.collectives import all_reduce
 from jaxcoll._src.integrations import fsdp
-from jaxcoll.tools import axis_size, normalize_axes
+from jaxcoll.tools import axes_in_mesh, axis_size, check_flag, normalize_axes
 
 
 class State(NamedTuple):
@@ -39,8 +39,7 @@ class TrainStep:
 
   @property
   def num_shards(self) -> int:
-    axes = self.axis_name if isinstance(self.axis_name, (tuple, list)) else (self.axis_name,)
-    return math.prod(int(self.mesh.shape[a]) for a in axes)
+    return math.prod(axes_in_mesh(self.axis_name, self.mesh)[1])
 
   def init(self, params, *, axis=0) -> State:
     """Shards ``params`` (:func:`jaxcoll.fsdp.shard`) over the axis, places them on the mesh
@@ -115,5 +114,17 @@ def train_step(loss_fn: Callable, optimizer, mesh, axis_name, *, gather_params: 
     if name not in ("algorithm", "wire_dtype", "grad_wire_dtype", "secondary_axis", "dtype"):
       raise TypeError(f"train_step: unexpected keyword argument {name!r} (gather options: "
                       "algorithm, wire_dtype, grad_wire_dtype, secondary_axis, dtype)")
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn={loss_fn!r}: expected a function loss_fn(params, batch)")
+  if not (callable(getattr(optimizer, "init", None)) and
+          callable(getattr(optimizer, "update", None))):
+    raise TypeError(f"optimizer={optimizer!r}: expected an optax GradientTransformation (init "
+                    "and update)")
+  axes_in_mesh(axis_name, mesh)
+  fsdp.check_options(**{k: gather_options.get(k) for k in ("wire_dtype", "grad_wire_dtype",
+                                                           "dtype")},
+                     algorithm=gather_options.get("algorithm", "auto"))
+  check_flag(gather_params, "gather_params")
+  check_flag(donate, "donate")
   return TrainStep(loss_fn, optimizer, mesh, axis_name, gather_params,
                    tuple(sorted(gather_options.items())), donate)

@@ -32,48 +32,46 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxcoll._src.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
-from jaxcoll._src.integrations.moe_cost import ALLGATHER, explain_moe
-from jaxcoll.tools import axis_size, axis_sizes, normalize_axes
+from jaxcoll._src.integrations.moe_cost import (
+  ALLGATHER,
+  balanced_capacity,
+  check_sizes,
+  explain_moe,
+)
+from jaxcoll.tools import (
+  axis_size,
+  axis_sizes,
+  check_algorithm,
+  check_flag,
+  check_int,
+  normalize_axes,
+  wire_format,
+)
 
 
-def capacity(tokens: int, num_experts: int, k: int, factor: float = 1.0, *,
-             multiple: int = 1) -> int:
-  """Slots per expert per source device: ceil(k * tokens * factor / num_experts), rounded
-  up to a multiple of ``multiple`` (GShard's formula)."""
-  for name, v in (("tokens", tokens), ("num_experts", num_experts), ("k", k),
-                  ("multiple", multiple)):
-    if not isinstance(v, (int, np.integer)) or v < (0 if name == "tokens" else 1):
-      least = "a non-negative" if name == "tokens" else "a positive"
-      raise ValueError(f"capacity: {name}={v!r} must be {least} int")
-  if not factor > 0:
-    raise ValueError(f"capacity: factor={factor!r} must be > 0")
-  slots = math.ceil(k * tokens * factor / num_experts)
-  return -(-slots // multiple) * multiple
-
-
-_balanced = capacity   # dispatch's ``capacity`` argument shadows the function
-
-
-def route(logits, k: int, *, renormalize: bool = True):
+def route(logits, k: int, *, renormalize: bool = True, num_experts: int | None = None):
   """Top-k routing: ``(expert_ids [T, k] int32, gates [T, k])``.
 
   Gates are the softmax probabilities (computed in float32) of the chosen experts, in
   descending order, renormalised to sum to 1 over the k choices unless
-  ``renormalize=False``; they have the logits' dtype.
+  ``renormalize=False``; they have the logits' dtype. ``num_experts``: the E that
+  :func:`dispatch` is given, checked against the router's width (``logits.shape[1]``), so
+  a router wider than the experts is an error here rather than dropped pairs later.
   """
   logits = jnp.asarray(logits)
   if logits.ndim != 2:
     raise ValueError(f"route: logits must be [tokens, experts], got shape {logits.shape}")
-  if not 1 <= k <= logits.shape[1]:
-    raise ValueError(f"route: k={k} must be in [1, {logits.shape[1]}] (the number of experts)")
+  check_int(k, "k", least=1, most=logits.shape[1])
+  check_flag(renormalize, "renormalize")
+  if num_experts is not None and check_int(num_experts, "num_experts") != logits.shape[1]:
+    raise ValueError(f"num_experts={num_experts} differs from the router's width: logits "
+                     f"have {logits.shape[1]} columns")
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
   gates, ids = lax.top_k(probs, k)
   if renormalize:
@@ -107,7 +105,9 @@ class RoutingState:
       where dropped).
     kept: [T, k] bool, whether the pair got a slot.
     counts: [E] pairs routed from this device to each expert (before dropping).
-    dropped: int32 scalar, pairs this device dropped.
+    dropped: int32 scalar, pairs this device dropped: beyond capacity, or routed to an
+      expert id outside [0, num_experts) (a -1 from a masked router); :func:`total_dropped`
+      sums it over the axis.
     exchanged: int32 scalar, slots per (source, expert) buffer the exchange sent: the
       capacity, or in dropless mode the chunks that hold tokens (the same on every device).
     num_experts, capacity, axis_name, algorithm: the dispatch's static arguments
@@ -133,12 +133,14 @@ class RoutingState:
 
 
 def _slots(expert_ids, num_experts: int, capacity_: int):
-  """Slot of every (token, choice) pair, choice-major (all first choices first)."""
+  """Slot of every (token, choice) pair, choice-major (all first choices first). A pair whose
+  expert id is outside [0, num_experts) (a -1 from a masked router) is dropped: no slot,
+  not counted for any expert."""
   t, k = expert_ids.shape
   onehot = jax.nn.one_hot(expert_ids.T.reshape(-1), num_experts, dtype=jnp.int32)  # [k*T, E]
   position = jnp.cumsum(onehot, axis=0) - 1
   slot = jnp.sum(position * onehot, axis=1).reshape(k, t).T                       # [T, k]
-  kept = slot < capacity_
+  kept = (expert_ids >= 0) & (expert_ids < num_experts) & (slot < capacity_)
   return jnp.where(kept, slot, capacity_), kept, jnp.sum(onehot, axis=0)
 
 
@@ -213,12 +215,7 @@ def _check(x, expert_ids, num_experts, capacity_, n):
                      f"{expert_ids.shape}")
   if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
     raise ValueError(f"dispatch: expert_ids must be integers, got {expert_ids.dtype}")
-  if not isinstance(num_experts, (int, np.integer)) or num_experts < 1 or num_experts % n:
-    raise ValueError(f"dispatch: num_experts={num_experts!r} must be a positive multiple of the "
-                     f"axis size {n}")
-  if capacity_ is not None and (not isinstance(capacity_, (int, np.integer)) or capacity_ < 1):
-    raise ValueError(f"dispatch: capacity={capacity_!r} must be a positive int "
-                     "(jaxcoll.moe.capacity computes GShard's) or None (dropless)")
+  check_sizes(num_experts, capacity_, n)
 
 
 def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name,
@@ -227,7 +224,9 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
 
   Args:
     x: this device's tokens ``[T, d]``.
-    expert_ids: ``[T, k]`` int, from :func:`route`.
+    expert_ids: ``[T, k]`` int, from :func:`route`. A pair whose id is outside
+      [0, num_experts) (a -1 from a masked router) is dropped and counted in
+      ``state.dropped``; it contributes nothing to the output or the gradients.
     num_experts: E, a multiple of the axis size N; device r owns experts
       r * E/N ... (r+1) * E/N - 1.
     capacity: C, slots per expert for each source device (:func:`capacity`); pairs beyond
@@ -255,14 +254,18 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
   n = axis_size(axes)
   x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
   _check(x, expert_ids, num_experts, capacity, n)
+  check_algorithm("all_to_all", algorithm, num_axes=len(axes), extra=(ALLGATHER,))
+  wire_format(wire_dtype, x.dtype)
   local = num_experts // n
   t, k = expert_ids.shape
   dropless = capacity is None
+  if not dropless and chunk is not None:
+    raise ValueError(f"chunk={chunk!r} applies to a dropless dispatch (capacity=None); this one "
+                     f"has capacity={capacity}")
   if dropless:
     capacity = t * k
-    chunk = _balanced(t, num_experts, k) if chunk is None else chunk
-    if not isinstance(chunk, (int, np.integer)) or not 1 <= chunk <= capacity:
-      raise ValueError(f"dispatch: chunk={chunk!r} must be an int in [1, T * k = {capacity}]")
+    chunk = balanced_capacity(t, num_experts, k) if chunk is None else \
+        check_int(chunk, "chunk", least=1, most=capacity)
   if isinstance(algorithm, str) and algorithm == "auto":
     sizes = dict(zip(axes, axis_sizes(axes)))
     plan = explain_moe(x, k, num_experts=num_experts, capacity=chunk if dropless else capacity,
@@ -305,6 +308,12 @@ def _gathered_table(expert_ids, state: RoutingState):
                    state.capacity)
     return jnp.where(table == t * k, n * t * k, table + i * t * k)
   return jax.vmap(one)(jnp.arange(n, dtype=jnp.int32), ids)
+
+
+def total_dropped(state: RoutingState):
+  """The pairs every device of the axis dropped (``state.dropped`` summed over
+  ``state.axis_name``: one all_reduce of a scalar), the figure to log. Inside shard_map."""
+  return all_reduce(state.dropped, state.axis_name)
 
 
 def combine(expert_outputs, state: RoutingState, gates, *, wire_dtype=None):

@@ -33,7 +33,14 @@ import numpy as np
 from jaxcoll._src.explain import Explanation, explain
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.table import Table
-from jaxcoll.tools import NATIVE_MARGIN, format_seconds, format_size, mesh_shape
+from jaxcoll.tools import (
+  NATIVE_MARGIN,
+  axes_in_mesh,
+  check_int,
+  check_number,
+  format_seconds,
+  format_size,
+)
 
 ALL_TO_ALL, ALLGATHER = "all_to_all", "allgather"
 
@@ -91,6 +98,34 @@ class MoEExplanation:
     return self.table().__rich__()
 
 
+def capacity(tokens: int, num_experts: int, k: int, factor: float = 1.0, *,
+             multiple: int = 1) -> int:
+  """Slots per expert per source device: ceil(k * tokens * factor / num_experts), rounded
+  up to a multiple of ``multiple`` (GShard's formula)."""
+  check_int(tokens, "tokens", least=0)
+  for name, v in (("num_experts", num_experts), ("k", k), ("multiple", multiple)):
+    check_int(v, name, least=1)
+  check_number(factor, "factor", above=0)
+  slots = math.ceil(k * tokens * factor / num_experts)
+  return -(-slots // multiple) * multiple
+
+
+balanced_capacity = capacity   # dispatch's and explain's ``capacity`` shadows the function
+
+
+def check_sizes(num_experts, capacity, n: int, k=None) -> None:
+  """MoE's sizes where they are given (dispatch, explain): E a positive multiple of the axis
+  size N, C a positive int or None (dropless), k a positive int."""
+  if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or \
+      num_experts < 1 or num_experts % n:
+    raise ValueError(f"num_experts={num_experts!r} must be a positive multiple of the axis "
+                     f"size {n}")
+  if capacity is not None:
+    check_int(capacity, "capacity", least=1)
+  if k is not None:
+    check_int(k, "k", least=1)
+
+
 def explain_moe(x, k: int, *, num_experts: int, capacity: int, mesh, axis_name,
                 wire_dtype=None, combine_wire_dtype=None,
                 profile: Profile | str | None = None) -> MoEExplanation:
@@ -101,18 +136,22 @@ def explain_moe(x, k: int, *, num_experts: int, capacity: int, mesh, axis_name,
     x: this device's tokens ``[T, d]`` (an array or ``jax.ShapeDtypeStruct``).
     k: choices per token.
     num_experts: E.
-    capacity: slots per (source device, expert); for a dropless dispatch, its chunk.
+    capacity: slots per (source device, expert); for a dropless dispatch, its chunk, or None:
+      the default chunk, ceil(k * T / E) (dropless dispatch's balanced load).
     mesh: a ``Mesh`` or ``{axis name: size}``; axis_name: the expert-parallel axis or tuple.
     wire_dtype, combine_wire_dtype: the exchanges' wire formats (dispatch's and combine's).
     profile: the profile to price with (default: the one auto uses).
   """
-  if len(x.shape) != 2:
-    raise ValueError(f"explain: x must be this device's tokens [T, d], got shape {x.shape}")
+  if len(getattr(x, "shape", ())) != 2 or not hasattr(x, "dtype"):
+    raise ValueError(f"x={x!r}: expected this device's tokens [T, d] (an array or a "
+                     "jax.ShapeDtypeStruct)")
   t, d = map(int, x.shape)
   dtype = np.dtype(x.dtype)
-  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  shape_of = mesh_shape(mesh)
-  n = math.prod(int(shape_of.get(a, 1)) for a in axes)
+  axes, sizes = axes_in_mesh(axis_name, mesh, mapping=True)
+  n = math.prod(sizes)
+  check_sizes(num_experts, capacity, n, k)
+  if capacity is None:   # dropless: priced at one trip of the default chunk (module docstring)
+    capacity = balanced_capacity(t, num_experts, k)
   sds = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)   # noqa: E731
   price = lambda prim, v, wire=None: explain(prim, v, mesh, axes, profile,   # noqa: E731
                                              wire_dtype=wire)
@@ -124,8 +163,7 @@ def explain_moe(x, k: int, *, num_experts: int, capacity: int, mesh, axis_name,
            MoECall(ALLGATHER, "combine", price("all_gather", sds(t, k))),
            MoECall(ALLGATHER, "combine", price("reduce_scatter", sds(n * t, d),
                                                combine_wire_dtype))]
-  moe = MoEExplanation(t, d, k, num_experts, capacity, axes,
-                       tuple(int(shape_of[a]) for a in axes), ALL_TO_ALL, tuple(calls))
+  moe = MoEExplanation(t, d, k, num_experts, capacity, axes, sizes, ALL_TO_ALL, tuple(calls))
   if moe.predicted_s(ALLGATHER) * NATIVE_MARGIN < moe.predicted_s(ALL_TO_ALL):
     moe = dataclasses.replace(moe, chosen=ALLGATHER)
   return moe

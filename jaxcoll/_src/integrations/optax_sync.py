@@ -20,8 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxcoll._src.integrations.per_device import PerDevice
-from jaxcoll._src.integrations.sync import BUCKET_BYTES, FIRST_BUCKET_BYTES, sync_gradients
-from jaxcoll.tools import compresses, wire_format
+from jaxcoll._src.integrations.sync import (
+  BUCKET_BYTES,
+  FIRST_BUCKET_BYTES,
+  check_options,
+  sync_gradients,
+)
+from jaxcoll.tools import check_flag, compresses, wire_format
 
 try:
   from optax import GradientTransformation
@@ -50,8 +55,9 @@ def sync(axis_name, *, op: str = "mean", wire_dtype=None, error_feedback: bool =
   format does not compress keep e = 0. Call ``update`` inside shard_map (or a step under
   :func:`jaxcoll.data_parallel`).
   """
+  check_options(op, bucket_bytes, first_bucket_bytes, algorithm, wire_dtype, accumulate_dtype)
   fmt = wire_format(wire_dtype, jnp.float32)
-  feedback = fmt is not None and error_feedback
+  feedback = check_flag(error_feedback, "error_feedback") and fmt is not None
   options = dict(op=op, bucket_bytes=bucket_bytes, first_bucket_bytes=first_bucket_bytes,
                  algorithm=algorithm, wire_dtype=wire_dtype, accumulate_dtype=accumulate_dtype)
 

@@ -24,7 +24,17 @@ import numpy as np
 
 from jaxcoll._src.collectives import all_reduce
 from jaxcoll._src.integrations import buckets
-from jaxcoll.tools import check_op, check_vma_enabled, compresses, make_varying, normalize_axes
+from jaxcoll.tools import (
+  check_algorithm,
+  check_floating,
+  check_int,
+  check_op,
+  check_vma_enabled,
+  compresses,
+  make_varying,
+  normalize_axes,
+  wire_format,
+)
 
 BUCKET_BYTES = 25 * 2**20       # DDP's bucket_cap_mb=25
 FIRST_BUCKET_BYTES = 2**20      # DDP's first bucket (1 MB), so the first reduce starts early
@@ -49,6 +59,18 @@ def _check_leaves(tree, axes, op: str, argument: str) -> list:
           f"{axes[0] if len(axes) == 1 else axes!r}) instead, or use check_vma=False")
     out.append(leaf)
   return out
+
+
+def check_options(op: str, bucket_bytes, first_bucket_bytes, algorithm, wire_dtype,
+                  accumulate_dtype) -> None:
+  """The sync options, checked before anything is traced (each error names its argument):
+  what :func:`sync_gradients`, :func:`sync_in_backward` and ``jaxcoll.optax.sync`` take."""
+  check_op(op, np.float32)
+  check_int(bucket_bytes, "bucket_bytes", least=1)
+  check_int(first_bucket_bytes, "first_bucket_bytes", least=1)
+  check_algorithm("all_reduce", algorithm)
+  wire_format(wire_dtype, np.float32)   # a known format (floating buckets use it)
+  check_floating(accumulate_dtype, "accumulate_dtype")   # narrowing: per bucket, all_reduce
 
 
 def _reduce_bucket(bucket: buckets.Bucket, leaves, out, axis_name, op, algorithm, wire_dtype,
@@ -88,6 +110,7 @@ def sync_gradients(grads, axis_name, *, op: str = "mean", bucket_bytes: int = BU
     accumulate_dtype: e.g. "float32" for bfloat16 gradients (Megatron's
       ``grad_reduce_in_fp32``); applies to floating buckets.
   """
+  check_options(op, bucket_bytes, first_bucket_bytes, algorithm, wire_dtype, accumulate_dtype)
   axes = normalize_axes(axis_name)
   leaves = _check_leaves(grads, axes, op, "grads")
   out = list(leaves)
@@ -108,6 +131,7 @@ def sync_in_backward(params, axis_name, *, op: str = "mean", bucket_bytes: int =
   leave typed varying (so jax adds no sum of its own) and their gradients come back with
   the parameters' own typing (invariant for replicated parameters).
   """
+  check_options(op, bucket_bytes, first_bucket_bytes, algorithm, wire_dtype, accumulate_dtype)
   axes = normalize_axes(axis_name)
   leaves = [jnp.asarray(x) for x in jax.tree.leaves(params)]
   options = (("op", op), ("algorithm", algorithm), ("wire_dtype", wire_dtype),
