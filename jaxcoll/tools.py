@@ -13,7 +13,8 @@ The building blocks of an integration (what ``jaxcoll.fsdp``, ``jaxcoll.moe``,
 ``jaxcoll.optax`` and ``jaxcoll.use`` are written with, besides the collectives): axis
 names and sizes inside shard_map (:func:`normalize_axes`, :func:`axis_size`,
 :func:`axis_sizes`), varying/invariant typing (:func:`make_varying`,
-:func:`check_vma_enabled`), argument checks (:func:`check_op`, :func:`check_choice`,
+:func:`check_vma_enabled`; which values of a jaxpr differ between devices: :func:`varying`),
+argument checks (:func:`check_op`, :func:`check_choice`,
 :func:`check_algorithm`, :func:`check_accumulate`, :func:`check_int`, :func:`check_number`,
 :func:`check_flag`, :func:`check_floating`: each error names the argument),
 wire formats (:func:`wire_format`, :func:`compresses`), auto's margin over the lax
@@ -46,6 +47,7 @@ from jaxcoll._src.dispatch import (
     profile_in_use,
 )
 from jaxcoll._src.ops import check_op
+from jaxcoll._src.replicas import varying
 from jaxcoll._src.replicated import check_vma_enabled, make_varying
 from jaxcoll._src.spec import CollectiveSpec, primitives, spec
 from jaxcoll._src.timing import interleaved
@@ -58,4 +60,4 @@ __all__ = ("NATIVE", "NATIVE_MARGIN", "Candidate", "CollectiveSpec", "Measuremen
            "check_number", "check_op", "check_vma_enabled", "clear_caches", "compresses", "fit",
            "flat_call", "format_seconds", "format_size", "interleaved", "label", "make_varying",
            "measure", "mesh_shape", "native_equivalents", "normalize_axes", "parse_size", "pick",
-           "primitives", "profile_in_use", "spec", "wire_format")
+           "primitives", "profile_in_use", "spec", "varying", "wire_format")

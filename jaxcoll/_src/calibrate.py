@@ -49,7 +49,7 @@ import tqdm
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcoll._src import compat, cost, timing, topology
+from jaxcoll._src import checks, compat, cost, timing, topology
 from jaxcoll._src import spec as spec_lib
 from jaxcoll._src.algorithms import Algorithm, call_options, entries, schedule
 from jaxcoll._src.collectives import flat_call
@@ -167,15 +167,22 @@ def measure(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DEFA
   if not compat.trace_state_clean():
     raise RuntimeError("calibrate() runs programs on the mesh; call it outside jit, shard_map "
                        "and other transformations, then pass the profile to jaxcoll.config")
-  axes = tuple(axes or mesh.axis_names)
-  for a in axes:
-    if a not in mesh.axis_names:
-      raise ValueError(f"axes: {a!r} is not an axis of the mesh {mesh.axis_names}")
-  sizes = tuple(int(s) for s in sizes)
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"mesh={mesh!r}: expected the jax.sharding.Mesh to measure")
+  axes, _ = checks.axes_in_mesh(mesh.axis_names if axes is None else axes, mesh, "axes")
   devices = mesh.devices.size
+  sizes = tuple(checks.integer(s, "sizes", least=4 * devices) for s in sizes)
   for s in sizes:
-    if s % (4 * devices) or s <= 0:
+    if s % (4 * devices):
       raise ValueError(f"sizes: {s} must be a positive multiple of 4 * {devices} bytes")
+  if not sizes:
+    raise ValueError("sizes=(): expected at least one size")
+  checks.integer(reps, "reps", least=1)
+  checks.number(min_seconds, "min_seconds", least=0)
+  for p in primitives:
+    if spec_lib.spec(p, argument="primitives").bus_factor is None:
+      raise ValueError(f"primitives: {p!r} is not timed by calibrate; expected some of "
+                       f"{NATIVE_PRIMITIVES}")
   spec = P(mesh.axis_names)
   sharding = NamedSharding(mesh, spec)
   _input_for = lambda primitive, s: int(spec_lib.spec(primitive).input_bytes(s, devices))

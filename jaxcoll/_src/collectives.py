@@ -29,7 +29,7 @@ from jaxcoll._src import spec as spec_lib
 from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.algorithms import NATIVE, schedule
 from jaxcoll._src.executor import execute, ppermute
-from jaxcoll._src.replicated import check_vma_enabled, make_varying, mark_invariant
+from jaxcoll._src.replicated import check_vma_enabled, make_varying, mark_invariant, replicated
 
 _NATIVE_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin, "mean": lax.pmean}
 
@@ -48,8 +48,13 @@ def _finish_mean(y, op: str, n: int):
   return y / n if op == "mean" else y
 
 
-def _replicated(y, axes):
-  return mark_invariant(y, axes) if check_vma_enabled(axes) else y
+def _replicated(y, axes, *, typed: bool = True):
+  """y, which the schedule left equal on every device of ``axes``: typed invariant inside
+  ``shard_map(check_vma=True)`` (unless ``typed`` is False: all_gather's ``to="varying"``),
+  else marked for jaxpr readers (:func:`replicated.replicated`)."""
+  if check_vma_enabled(axes):
+    return mark_invariant(y, axes) if typed else y
+  return replicated(y, axes)
 
 
 _scopes: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_scopes", default=None)
@@ -298,7 +303,7 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: s
     y = jnp.moveaxis(y, 0, a)
     if tiled:
       y = y.reshape(x.shape[:a] + (n * x.shape[a],) + x.shape[a + 1:])
-    return y if to == "varying" else _replicated(y, axes)
+    return _replicated(y, axes, typed=to != "varying")
 
   return _collective("all_gather", x, axis_name, algorithm, native=native, finish=finish,
                      check=dim, wire_dtype=wire_dtype, wire_block_size=wire_block_size)

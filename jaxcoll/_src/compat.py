@@ -96,6 +96,17 @@ def open_jaxpr(sub) -> tuple[object, list]:
   return sub, []
 
 
+def sub_jaxprs(params) -> list:
+  """The jaxprs among an equation's params (closed on jax 0.10, open on 0.12), in params
+  order: :func:`open_jaxpr` reads each."""
+  out = []
+  for v in params.values():
+    for j in (v if isinstance(v, (tuple, list)) else (v,)):
+      if hasattr(j, "eqns") or hasattr(getattr(j, "jaxpr", None), "eqns"):
+        out.append(j)
+  return out
+
+
 def scan_counts(params) -> tuple[int, int]:
   """``(num_consts, num_carry)`` of a scan equation: jax 0.10 names them; jax 0.12 keeps
   ``ft_in``, a ``jax._src.flattree.FlatTree`` of ``(consts, carry, xs)``: an ``FTTuple``

@@ -5,7 +5,8 @@ may leave ``shard_map`` with ``out_specs=P()``), but every ``ppermute`` result
 is *varying*, and JAX has no public varying-to-invariant cast. This module
 defines the one private primitive jaxcoll needs for that: ``mark_invariant``,
 the identity on values, whose abstract evaluation drops the axes from the
-aval's varying set.
+aval's varying set. Where nothing is typed (``check_vma=False``) a second one,
+``replicated``, only marks the value for jaxpr readers.
 
 Its transpose sends the (invariant) cotangent to rank 0 of the axes and zeros
 elsewhere. For y = cast(S(x)) where the schedule S leaves every rank with the
@@ -26,6 +27,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 mark_invariant_p = Primitive("jaxcoll_mark_invariant")
+replicated_p = Primitive("jaxcoll_replicated")
+REPLICATED_PRIMITIVES = (mark_invariant_p.name, replicated_p.name)
 
 
 def mark_invariant(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -33,6 +36,14 @@ def mark_invariant(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   varying = jax.typeof(x).mat.varying
   axes = tuple(a for a in axes if a in varying)
   return mark_invariant_p.bind(x, axes=axes) if axes else x
+
+
+def replicated(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """x, marked as a value a schedule proved equal on every device of ``axes`` where nothing
+  types it (``shard_map(check_vma=False)``): the identity in value, type, gradient and
+  lowering, which the jaxpr walk of :mod:`jaxcoll._src.integrations.replicas` reads (what
+  ``jaxcoll.data_parallel`` checks a step's outputs with)."""
+  return replicated_p.bind(x, axes=tuple(axes))
 
 
 def check_vma_enabled(axes: tuple[str, ...]) -> bool:
@@ -66,3 +77,10 @@ mark_invariant_p.def_impl(lambda x, *, axes: x)
 mlir.register_lowering(mark_invariant_p, lambda ctx, x, *, axes: [x])
 ad.deflinear2(mark_invariant_p, _transpose)
 batching.primitive_batchers[mark_invariant_p] = _batch
+
+replicated_p.def_abstract_eval(lambda aval, *, axes: aval)
+replicated_p.def_impl(lambda x, *, axes: x)
+mlir.register_lowering(replicated_p, lambda ctx, x, *, axes: [x])
+ad.deflinear2(replicated_p, lambda ct, x, *, axes: (ct,))
+batching.primitive_batchers[replicated_p] = (
+    lambda vals, dims, *, axes: (replicated_p.bind(vals[0], axes=axes), dims[0]))

@@ -19,6 +19,7 @@ import math
 import jax
 import numpy as np
 
+from jaxcoll._src import compat
 from jaxcoll._src.table import Table
 
 _COLLECTIVES = ("psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant",
@@ -45,22 +46,13 @@ class Traffic:
     return str(self.table())
 
 
-def _sub_jaxprs(eqn):
-  for v in eqn.params.values():
-    for j in (v if isinstance(v, (tuple, list)) else (v,)):
-      if hasattr(j, "eqns"):
-        yield j
-      elif hasattr(getattr(j, "jaxpr", None), "eqns"):
-        yield j.jaxpr
-
-
 def _walk(jaxpr, mult, visit):
   for eqn in jaxpr.eqns:
     visit(eqn, mult)
     name = eqn.primitive.name
     inner = mult * eqn.params["length"] if name == "scan" else mult
-    for sub in _sub_jaxprs(eqn):
-      _walk(sub, inner, visit)
+    for sub in compat.sub_jaxprs(eqn.params):
+      _walk(compat.open_jaxpr(sub)[0], inner, visit)
 
 
 def traffic(fn, mesh, *args, **kwargs) -> Traffic:
