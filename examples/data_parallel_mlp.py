@@ -27,11 +27,16 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import jaxcoll  # noqa: E402
+
+try:
+  import optax  # noqa: E402
+except ImportError:
+  raise SystemExit(f"{__file__} needs optax: pip install -e '.[examples]'") from None
+
 
 STEPS, BATCH, WIDTH, AXIS = 100, 4096, 32, "data"
 

@@ -28,12 +28,16 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcoll  # noqa: E402
 from jaxcoll import fsdp  # noqa: E402
+
+try:
+  import optax  # noqa: E402
+except ImportError:
+  raise SystemExit(f"{__file__} needs optax: pip install -e '.[examples]'") from None
 
 LAYERS, WIDTH, BATCH, AXES = 8, 256, 256, ("node", "local")
 # hpZ's stages run over one axis each ("node", then "local"): rings there; the flat

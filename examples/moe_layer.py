@@ -24,11 +24,15 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxcoll import moe  # noqa: E402
+
+try:
+  import optax  # noqa: E402
+except ImportError:
+  raise SystemExit(f"{__file__} needs optax: pip install -e '.[examples]'") from None
 
 N, T, D, H, E, K, AXIS = 8, 64, 32, 64, 16, 2, "expert"
 

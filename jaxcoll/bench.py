@@ -36,6 +36,7 @@ import math
 import os
 import statistics
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 
 import tqdm
@@ -80,6 +81,35 @@ def size_sweep(begin: int, end: int, factor: float, step: int = 0) -> list[int]:
   return out
 
 
+def rounded_sizes(sizes: Sequence[int], unit: int) -> list[int]:
+  """The sizes the bench measures: each rounded down to a multiple of ``unit`` (devices x
+  dtype size; at least one unit), each once, in order."""
+  return list(dict.fromkeys(max(unit, int(s) // unit * unit) for s in sizes))
+
+
+def _count(least: int):
+  """argparse type: an int of at least ``least`` (argparse names the flag in the error)."""
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value < least:
+      raise argparse.ArgumentTypeError(f"{value} must be at least {least}")
+    return value
+  return parse
+
+
+def _seconds(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+  if not value >= 0:
+    raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+  return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
   """One measurement: an algorithm at a size."""
@@ -107,7 +137,8 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
 
   Args:
     op: one of :data:`OPS`.
-    sizes: bytes per device (rounded down to a multiple of devices x itemsize).
+    sizes: bytes per device, each rounded down to a multiple of devices x itemsize
+      (:func:`rounded_sizes`; sizes that round alike are measured once).
     algorithms: names of ``jaxcoll.algorithms(op)`` plus "auto", or "all" (every
       algorithm that runs over ``axes``, and auto); :class:`jaxcoll.Hierarchical`
       values too (labelled ``hierarchical(ring,ring; pieces 8,1)``).
@@ -164,17 +195,16 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
   devices = mesh.devices.size
   axis_arg = axes if len(axes) > 1 else axes[0]
   prof = tools.profile_in_use(profile)
-  bar = tqdm.tqdm(total=len(sizes), desc=op, file=sys.stderr, leave=False,
+  measured_sizes = rounded_sizes(sizes, n * dt.itemsize)
+  bar = tqdm.tqdm(total=len(measured_sizes), desc=op, file=sys.stderr, leave=False,
                   disable=not (progress and jax.process_index() == 0))
 
   with jaxcoll.config(profile=profile) if profile is not None else contextlib.nullcontext():
     rows = []
-    for size in sizes:
-      unit = n * dt.itemsize
-      nbytes = max(unit, size // unit * unit)
+    for nbytes in measured_sizes:
       count = int(tools.spec(op).input_bytes(nbytes, n)) // dt.itemsize   # all_gather: M / n
       if wire:   # compression errs on every value; small integers would hide that
-        host = np.random.default_rng(size).standard_normal((devices, count)).astype(dt)
+        host = np.random.default_rng(nbytes).standard_normal((devices, count)).astype(dt)
       else:   # small integers, different on every device: every algorithm's result is exact
         host = (np.arange(devices * count).reshape(devices, count) % 7
                 + np.arange(devices)[:, None] % 3).astype(dt)
@@ -324,8 +354,9 @@ def require_matplotlib() -> None:
                      "(nothing was measured)") from e
 
 
-def plot(rows: Sequence[Row], path: str, title: str = "") -> None:
-  """busbw against size, log-log, one line per (op, algorithm), native in black."""
+def plot(rows: Sequence[Row], path: str, title: str = ""):
+  """busbw against size, log-log, one line per (op, algorithm), native in black, auto drawn
+  over it (it often runs native), the title wrapped to fit. Returns the (closed) figure."""
   require_matplotlib()
   import matplotlib
   matplotlib.use("Agg")
@@ -337,21 +368,24 @@ def plot(rows: Sequence[Row], path: str, title: str = "") -> None:
     for algo in dict.fromkeys(r.algorithm.split(" -> ")[0] for r in rows if r.op == op):
       mine = [r for r in rows if r.op == op and r.algorithm.split(" -> ")[0] == algo]
       label = algo if len(ops) == 1 else f"{op} {algo}"
-      style = (dict(color="black", linewidth=2.5, zorder=5) if algo == NATIVE else
-               dict(linestyle="--") if algo == "auto" else {})
-      ax.plot([r.size for r in mine], [max(r.busbw_gbs, 1e-9) for r in mine], marker="o",
-              markersize=3, label=label, **style)
+      style = (dict(color="black", linewidth=2.5, zorder=4) if algo == NATIVE else   # auto
+               dict(linestyle="--", color="tab:red", marker="x", markersize=7, linewidth=1.5,
+                    zorder=6) if algo == "auto" else {})   # on top: it often runs native
+      style.setdefault("marker", "o")
+      ax.plot([r.size for r in mine], [max(r.busbw_gbs, 1e-9) for r in mine],
+              **{"markersize": 3, **style}, label=label)
   ax.set_xscale("log", base=2)
   ax.set_yscale("log")
   ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: format_size(v, compact=True)))
   ax.set_xlabel("message size per device")
   ax.set_ylabel("busbw (GB/s)")
-  ax.set_title(title, fontsize=9)
+  ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)   # whole, however long
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+  return fig
 
 
 def _write(text: str, path: str) -> None:
@@ -382,9 +416,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("-o", "--op-reduce", dest="redop", default="sum",
                  help="nccl-tests' reduction op; the bench times sum (jaxcoll.all_reduce takes "
                       "op='prod', 'min', 'max', 'mean' in your program)")
-  p.add_argument("-n", "--iters", type=int, default=20, help="timed rounds (default 20)")
-  p.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up calls (default 5)")
-  p.add_argument("--min-seconds", type=float, default=0.0,
+  p.add_argument("-n", "--iters", type=_count(1), default=20, help="timed rounds (default 20)")
+  p.add_argument("-w", "--warmup_iters", type=_count(0), default=5,
+                 help="warm-up calls (default 5)")
+  p.add_argument("--min-seconds", type=_seconds, default=0.0,
                  help="more rounds per size until they take this long")
   p.add_argument("--wire", default=None, metavar="W[,W...]",
                  help="also run each scheduled algorithm with these compressed wire formats "
@@ -406,7 +441,7 @@ def _parser() -> argparse.ArgumentParser:
                       "and use that profile (instead of --profile)")
   p.add_argument("--save-profile", default=None, metavar="PATH",
                  help="write the profile --calibrate measured")
-  p.add_argument("-g", "--devices", type=int, default=8,
+  p.add_argument("-g", "--devices", type=_count(1), default=8,
                  help="CPU devices in a single-process run (default 8; nccl-tests' -g, GPUs "
                       "per thread); for several processes use jaxcoll-launch")
   p.add_argument("--json", default=None, metavar="PATH", help="rows as JSON ('-': stdout)")
@@ -473,6 +508,11 @@ def main(argv: Sequence[str] | None = None) -> int:
            f"{jax.device_count()} devices ({jax.default_backend()}), mesh {dict(mesh.shape)}, "
            f"over {over}, medians of {args.iters} rounds; allocator {allocator}")
   say(header_lines(title))
+  unit = math.prod(dict(mesh.shape)[a] for a in over) * dtype.itemsize
+  if rounded_sizes(sizes, unit) != sizes:
+    say([f"# sizes are multiples of {unit} B ({unit // dtype.itemsize} devices x "
+         f"{dtype.itemsize} B): {', '.join(map(format_size, sizes))} measured as "
+         f"{', '.join(map(format_size, rounded_sizes(sizes, unit)))}"])
   rows: list[Row] = []
   interrupted = False
 

@@ -168,10 +168,45 @@ def test_plot_checks_matplotlib_before_measuring(monkeypatch, tmp_path):
 
 def test_plot_is_log_log_with_human_sizes(tmp_path):
   pytest.importorskip("matplotlib")
-  rows = bench.run("all_reduce", [1024, 4096, 1 << 20], ["ring", "native"], iters=1, warmup=0)
+  rows = bench.run("all_reduce", [1024, 4096, 1 << 20], ["ring", "native", "auto"], iters=1,
+                   warmup=0)
   path = tmp_path / "p.png"
-  bench.plot(rows, str(path), title="all_reduce float32, mesh {'x': 8}")
+  title = "all_reduce float32, " + "a long title that would be cut off at the edge " * 3
+  fig = bench.plot(rows, str(path), title=title)
   assert path.stat().st_size > 10_000
+  ax = fig.axes[0]
+  assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+  shown = ax.get_title()
+  assert shown.replace("\n", " ") == title.strip() and max(map(len, shown.split("\n"))) <= 90
+  lines = {line.get_label(): line for line in ax.get_lines()}
+  assert lines["auto"].get_zorder() > lines["native"].get_zorder()   # auto over native
+  assert lines["auto"].get_color() != lines["native"].get_color()
+
+
+@pytest.mark.quick
+def test_sizes_that_round_alike_are_measured_once_and_said(tmp_path, capsys):
+  """8 devices x 4 bytes: -b 8 -e 32 is one size, 32 B (three rows all labelled 32 B)."""
+  out = tmp_path / "rows.json"
+  assert bench.main(["-b", "8", "-e", "32", "--algorithm", "native", "-n", "1", "-w", "0",
+                     "--json", str(out), "--no-progress"]) == 0
+  assert [r["size"] for r in json.loads(out.read_text())["rows"]] == [32]
+  assert "# sizes are multiples of 32 B (8 devices x 4 B): 8 B, 16 B, 32 B measured as 32 B" \
+      in capsys.readouterr().out
+  assert bench.rounded_sizes([8, 100, 96, 4096], 32) == [32, 96, 4096]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("flags,match", [
+    (["-w", "-1"], "-w/--warmup_iters: -1 must be at least 0"),
+    (["-n", "0"], "-n/--iters: 0 must be at least 1"),
+    (["-g", "0"], "-g/--devices: 0 must be at least 1"),
+    (["--min-seconds", "-2"], "--min-seconds: -2.0 must be >= 0"),
+    (["-n", "two"], "-n/--iters: 'two' is not an int"),
+])
+def test_cli_counts_are_checked_before_anything_runs(flags, match, capsys):
+  with pytest.raises(SystemExit):
+    bench.main(flags)
+  assert match in capsys.readouterr().err
 
 
 ENV = {**os.environ, "PYTHONWARNINGS": "error::RuntimeWarning"}
