@@ -3,6 +3,9 @@
   mp_worker.py collectives   every algorithm of every primitive over ("process", "local"),
                              and each axis alone, equals lax on this rank's devices
   mp_worker.py fail          rank 1 raises after joining; rank 0 waits in a collective
+  mp_worker.py topology      link classes read from the devices of the two processes
+  mp_worker.py plain_topology  the same in a job joined by jax.distributed.initialize alone:
+                             hosts from the boot ids jax's own backend published
 """
 
 from __future__ import annotations
@@ -12,9 +15,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxcoll import distributed  # noqa: E402
-
-distributed.initialize()
+if sys.argv[1].startswith("plain"):   # as most jobs start: jax.distributed alone
+  import jax
+  jax.distributed.initialize(coordinator_address=os.environ["JAXCOLL_COORDINATOR"],
+                             num_processes=int(os.environ["JAXCOLL_NUM_PROCESSES"]),
+                             process_id=int(os.environ["JAXCOLL_PROCESS_ID"]))
+else:
+  from jaxcoll import distributed
+  distributed.initialize()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -114,5 +122,18 @@ def topology() -> None:
   print(f"rank {jax.process_index()}: topology ok", flush=True)
 
 
+def plain_topology() -> None:
+  """No jaxcoll table: the hosts come from jax's own topology exchange (one boot id)."""
+  from jaxcoll._src import compat
+  from jaxcoll._src import topology as topo
+  assert topo._hosts is None
+  jax.devices()   # the backend up: its topology exchange done
+  ids = compat.boot_ids(2, "cpu")
+  with open("/proc/sys/kernel/random/boot_id") as f:
+    assert ids == (f.read().strip(),) * 2, ids
+  topology()
+
+
 if __name__ == "__main__":
-  {"collectives": collectives, "fail": fail, "topology": topology}[sys.argv[1]]()
+  {"collectives": collectives, "fail": fail, "topology": topology,
+   "plain_topology": plain_topology}[sys.argv[1]]()

@@ -40,6 +40,14 @@ def test_link_classes_are_read_from_the_devices_of_two_processes():
   assert "[0] rank 0: topology ok" in done.stdout and "[1] rank 1: topology ok" in done.stdout
 
 
+def test_hosts_are_found_in_a_job_joined_by_jax_distributed_alone():
+  """Most jobs call jax.distributed.initialize themselves: no jaxcoll host table, so the two
+  processes' host comes from the boot ids jax's backend published (one host here)."""
+  done, _ = run_worker("plain_topology", timeout=240)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert "[0] rank 0: topology ok" in done.stdout and "[1] rank 1: topology ok" in done.stdout
+
+
 def test_a_rank_that_raises_fails_the_launch_fast_with_its_traceback():
   done, elapsed = run_worker("fail", timeout=300)
   assert done.returncode == 1, done.stdout[-3000:]

@@ -166,3 +166,58 @@ def test_auto_on_two_processes_prices_the_process_boundary():
   assert small.algorithm != "native" and large.algorithm == "native"
   # the same names and sizes in one process keep native at 16 KiB
   assert dispatch.choose("all_reduce", ("x",), (8,), 16 << 10, prof).algorithm == "native"
+
+
+def test_where_hosts_are_unknown_both_placements_are_kept():
+  """No host table and no boot ids: each process its own host (network) is what the links
+  say, and all processes on one host is kept beside it."""
+  apart = topology.process_major(("x",), (8,), ("x",), 2, 8, hosts=None, platform="cpu")
+  (together,) = apart.alternatives
+  assert apart.used == ("host", "network") and together.used == ("host",)
+  assert "hosts unknown: also priced as host" in apart.label
+  known = topology.process_major(("x",), (8,), ("x",), 2, 8, hosts=(0, 0), platform="cpu")
+  assert known.alternatives == () and known == together
+  assert topology.single_process(8).alternatives == ()
+  assert apart != together and hash(apart) != hash(known)   # alternatives are in the key
+
+
+def pair_profile(network: float, host: float, native_network: float, native_host: float):
+  """A flat axis of 8 on 2 processes; links per class, and lax times measured per span."""
+  times = lambda span, s: NativeTimes("all_reduce", (8,), (1.0, 1e9), (s, s), span=span)  # noqa
+  return Profile(links={"process": FAST, "host": Link(host, 0.0), "network": Link(network, 0.0)},
+                 native=(times("host", native_host), times("network", native_network)))
+
+
+def test_auto_leaves_native_only_for_a_schedule_that_wins_under_every_placement():
+  """Recursive doubling's 3 steps against a measured lax time: across hosts it wins (0.03 s
+  against 0.1 s), on one host it loses (0.3 s against 0.1 s). Unknown hosts: native; known
+  to be apart: the schedule; a schedule that wins in both placements is taken unknown too."""
+  prof = pair_profile(network=0.01, host=0.1, native_network=0.1, native_host=0.1)
+  unknown = topology.process_major(("x",), (8,), ("x",), 2, 8, None, platform="gpu")
+  (one_host,) = unknown.alternatives
+  apart = topology.process_major(("x",), (8,), ("x",), 2, 8, (0, 1), platform="gpu")
+  choose = lambda topo, p=prof: dispatch.choose("all_reduce", ("x",), (8,), 1e3, p,  # noqa
+                                                topology=topo).algorithm
+  assert choose(apart) != "native" and choose(one_host) == "native"
+  assert choose(unknown) == "native"
+  both = pair_profile(network=0.01, host=0.01, native_network=0.1, native_host=0.1)
+  assert choose(unknown, both) == choose(apart, both) != "native"
+  weighed = dispatch.candidates("all_reduce", ("x",), (8,), 1e3, prof, topology=unknown)
+  native, *scheduled = weighed
+  assert len(native.placed_s) == 2 and all(len(c.placed_s) == 2 for c in scheduled)
+  rd = next(c for c in scheduled if c.label == "recursive_doubling")
+  assert rd.placed_s[0] < native.placed_s[0] / 1.25 and rd.placed_s[1] > native.placed_s[1]
+  assert not rd.beats(native, dispatch.NATIVE_MARGIN)
+
+
+def test_boot_ids_are_read_from_the_topology_protobuf():
+  """jax's LocalTopologyProto: field 1 the node id (varint), field 2 the boot id (string),
+  field 3 the devices (messages, which may hold strings of their own)."""
+  from jaxcoll._src import compat
+  device = b"\x08\x01\x20\x01\x42\x03cpu\x4a\x0fCpuDevice(id=1)"
+  proto = b"\x08\x07\x12\x24" + b"0123456789abcdef0123456789abcdef0123" + \
+      b"\x1a" + bytes([len(device)]) + device
+  assert compat._proto_string(proto, field=2) == "0123456789abcdef0123456789abcdef0123"
+  assert compat._proto_string(b"\x12\x00", field=2) == ""
+  assert compat._proto_string(b"\x08\x96\x01", field=2) is None   # only a long varint
+  assert compat.boot_ids(2, "cpu") is None     # no jax.distributed job in this process

@@ -14,6 +14,9 @@ that moves one fails there first, loudly, instead of somewhere deep in a collect
 - ``distributed_client``: ``jax.distributed``'s client, whose key-value store
   (``key_value_set``, ``blocking_key_value_get``) carries the host table of
   :mod:`topology`; ``jax._src.distributed.global_state.client`` on both versions.
+- ``boot_ids``: each process's machine, from the topology jax's own backend published in
+  that store (``<platform>:local_topology/<platform>/<process>``), for jobs started with
+  plain ``jax.distributed.initialize``.
 
 ``replicated.py``'s primitive uses jax's extension API (``jax.extend.core.Primitive``,
 ``jax.interpreters.ad/batching/mlir``), the same on both versions and pinned by
@@ -83,6 +86,64 @@ def distributed_client():
   """``jax.distributed``'s client (None outside a multi-process job)."""
   from jax._src import distributed
   return distributed.global_state.client
+
+
+def boot_ids(process_count: int, platform: str) -> tuple[str, ...] | None:
+  """Every process's boot id as jax's own topology exchange recorded it, or None.
+
+  When a multi-process backend starts, each process publishes a ``LocalTopologyProto``
+  (field 1 its node id, field 2 the machine's boot id, ``/proc/sys/kernel/random/boot_id``)
+  in ``jax.distributed``'s key-value store under
+  ``"<platform>:local_topology/<platform>/<process>"``; XLA itself groups processes into
+  hosts by it (``slice_index`` on GPUs). Read without waiting: the keys exist once the
+  backend is up, which any trace has already needed. Same keys on jax 0.10.2 and 0.12."""
+  client = distributed_client()
+  if client is None or process_count <= 1:
+    return None
+  prefix = f"{platform}:local_topology/{platform}/"
+  try:
+    found = dict(client.key_value_dir_get_bytes(prefix))
+  except (RuntimeError, AttributeError):   # no store, or no such keys on this platform
+    return None
+  ids = []
+  for p in range(process_count):
+    proto = found.get(f"{prefix}{p}")
+    boot = None if proto is None else _proto_string(bytes(proto), field=2)
+    if not boot:
+      return None
+    ids.append(boot)
+  return tuple(ids)
+
+
+def _proto_string(data: bytes, field: int) -> str | None:
+  """The first length-delimited ``field`` of a serialized protobuf message, as text."""
+  i = 0
+  while i < len(data):
+    key, i = _varint(data, i)
+    number, kind = key >> 3, key & 7
+    if kind == 0:
+      _, i = _varint(data, i)
+    elif kind == 2:
+      length, i = _varint(data, i)
+      if number == field:
+        return data[i:i + length].decode("utf-8", "replace")
+      i += length
+    elif kind in (1, 5):
+      i += 8 if kind == 1 else 4
+    else:
+      return None
+  return None
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+  value = shift = 0
+  while True:
+    byte = data[i]
+    value |= (byte & 0x7F) << shift
+    i += 1
+    if not byte & 0x80:
+      return value, i
+    shift += 7
 
 
 def open_jaxpr(sub) -> tuple[object, list]:

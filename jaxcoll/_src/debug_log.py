@@ -60,17 +60,18 @@ def why(chosen, weighed, *, trusted: bool, native_allowed: bool, margin: float,
         profile_name: str) -> str:
   """The reason auto ran ``chosen`` out of ``weighed`` (native first), in words."""
   native, *scheduled = weighed
-  best = min(scheduled, key=lambda c: c.predicted_s, default=native)
+  best = min(scheduled, key=lambda c: c.vs(native), default=native)
   if not native_allowed:
     return f"native cannot send a wire format; fastest schedule {best.label}"
   if not trusted:
     return (f"profile {profile_name or 'custom'} was not measured on this backend: native "
             f"kept (fastest schedule {best.label}, predicted {_ms(best.predicted_s)})")
-  ratio = native.predicted_s / max(best.predicted_s, 1e-30)
+  ratio = 1 / max(best.vs(native), 1e-30)
+  placed = "" if not best.elsewhere_s else " under every placement of the hosts"
   if chosen is native:
     return (f"fastest schedule {best.label} predicted {_ms(best.predicted_s)}, {ratio:.2f}x "
-            f"native's speed; a schedule must be {margin:g}x faster")
-  return f"{ratio:.2f}x faster than native; a schedule must be {margin:g}x faster"
+            f"native's speed{placed}; a schedule must be {margin:g}x faster")
+  return f"{ratio:.2f}x faster than native{placed}; a schedule must be {margin:g}x faster"
 
 
 def log(key: tuple, message: str) -> None:

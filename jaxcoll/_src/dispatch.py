@@ -41,13 +41,29 @@ DEFAULT_PRESET = {"cpu": "cpu", "gpu": "h100-nvlink", "cuda": "h100-nvlink", "ro
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-  """One algorithm auto weighs: its label, name, schedule options and predicted seconds."""
+  """One algorithm auto weighs: its label, name, schedule options and predicted seconds
+  (``elsewhere_s``: under the other placements of the ranks consistent with what is known,
+  where hosts are unknown: ``Topology.alternatives``)."""
 
   label: str
   algorithm: str
   options: tuple
   predicted_s: float
   schedule: object = None   # None for native
+  elsewhere_s: tuple[float, ...] = ()
+
+  @property
+  def placed_s(self) -> tuple[float, ...]:
+    """Predicted seconds under every placement, the first the one ``predicted_s`` is for."""
+    return (self.predicted_s, *self.elsewhere_s)
+
+  def vs(self, native: Candidate) -> float:
+    """Its time over ``native``'s under the placement least favourable to it."""
+    return max(t / max(n, 1e-30) for t, n in zip(self.placed_s, native.placed_s))
+
+  def beats(self, native: Candidate, margin: float) -> bool:
+    """Whether it is ``margin`` times faster than ``native`` under every placement."""
+    return all(t * margin < n for t, n in zip(self.placed_s, native.placed_s))
 
 
 def profile_in_use(profile: Profile | str | None = None) -> Profile:
@@ -65,25 +81,31 @@ def candidates(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[i
                topology: Topology | None = None):
   """Every algorithm "auto" weighs, native first, with its predicted time
   (:func:`cost.schedule_times`; ranks placed as ``topology`` says; default one process)."""
-  native = cost.predict_native(primitive, profile, axis_names, axis_sizes, nbytes,
-                               topology=topology)
-  out = [Candidate(NATIVE, NATIVE, (), native)]
-  for label, algo, options, sched, t in cost.schedule_times(
-      primitive, profile, axis_names, axis_sizes, nbytes,
-      partial_sum_scale=partial_sum_scale, topology=topology):
-    out.append(Candidate(label, algo, tuple(sorted(options.items())), t, sched))
+  placements = (topology, *topology.alternatives) if topology is not None else (None,)
+  natives, priced = [], []
+  for placed in placements:
+    natives.append(cost.predict_native(primitive, profile, axis_names, axis_sizes,
+                                       nbytes * partial_sum_scale, topology=placed))
+    priced.append(cost.schedule_times(primitive, profile, axis_names, axis_sizes, nbytes,
+                                      partial_sum_scale=partial_sum_scale, topology=placed))
+  out = [Candidate(NATIVE, NATIVE, (), natives[0], None, tuple(natives[1:]))]
+  for times in zip(*priced):   # one schedule under every placement
+    label, algo, options, sched, t = times[0]
+    out.append(Candidate(label, algo, tuple(sorted(options.items())), t, sched,
+                         tuple(u[-1] for u in times[1:])))
   return out
 
 
 def pick(weighed: Sequence[Candidate], *, native_allowed: bool = True,
          trusted: bool = True) -> Candidate:
-  """Of ``candidates()``' result (native first): the fastest predicted schedule if it beats
-  native by ``NATIVE_MARGIN`` (or native is not allowed: a compressed wire), else native.
-  Under a profile not ``trusted`` on this backend (never measured there) native is kept
-  wherever it is allowed."""
+  """Of ``candidates()``' result (native first): the schedule fastest against native (the
+  least :meth:`Candidate.vs`: with one placement, the fastest predicted) if it beats native
+  by ``NATIVE_MARGIN`` under every placement of the ranks consistent with what is known (or
+  native is not allowed: a compressed wire), else native. Under a profile not ``trusted``
+  on this backend (never measured there) native is kept wherever it is allowed."""
   native, *scheduled = weighed
-  best = min(scheduled, key=lambda c: c.predicted_s, default=native)
-  if not native_allowed or (trusted and best.predicted_s * NATIVE_MARGIN < native.predicted_s):
+  best = min(scheduled, key=lambda c: c.vs(native), default=native)
+  if not native_allowed or (trusted and best.beats(native, NATIVE_MARGIN)):
     return best
   return native
 

@@ -12,12 +12,17 @@ On the CPU a multi-process job moves every message through gloo, even between tw
 of one process (measured: docs/measurements.md#multi-process-cpu-jobs), so there every
 device counts as a process of its own: two devices of one host are linked "host".
 
-A process's host is what :func:`jaxcoll.distributed.initialize` publishes for it when the
-job starts (its host name and, under ``jaxcoll.launch`` with per-rank addresses, that
-address: a rank in its own network namespace is a host of its own), exchanged once through
-``jax.distributed``'s key-value store so that every process holds the same table (auto must
-pick the same algorithm everywhere). A job started with plain ``jax.distributed.initialize``
-has no table: two processes are then taken to be on two hosts (``"network"``).
+A process's host is, in this order: what :func:`jaxcoll.distributed.initialize` publishes
+for it when the job starts (its host name and, under ``jaxcoll.launch`` with per-rank
+addresses, that address: a rank in its own network namespace is a host of its own),
+exchanged once through ``jax.distributed``'s key-value store; else, in a job started with
+plain ``jax.distributed.initialize``, the machine's boot id that jax's own backend published
+in the same store when it started (:func:`jaxcoll._src.compat.boot_ids`: what XLA groups GPU
+processes into hosts by). Both are the same table on every process (auto must pick the same
+algorithm everywhere). Where neither exists the hosts are unknown: the topology then holds
+both placements consistent with what is known (every process a host of its own, all on
+one host; :attr:`Topology.alternatives`) and auto leaves native only for a schedule that
+wins under each (:mod:`jaxcoll._src.dispatch`).
 
 Inside ``shard_map`` a trace sees only the abstract mesh (axis names and sizes), not its
 devices. Unless ``jaxcoll.config(mesh=...)`` names the concrete mesh, the devices are
@@ -39,6 +44,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxcoll._src import compat
+
 PROCESS, HOST, NETWORK = "process", "host", "network"
 CLASSES = (PROCESS, HOST, NETWORK)     # fastest first
 MESH, PROCESS_MAJOR = "mesh", "process-major"
@@ -56,10 +63,12 @@ class Topology:
   process: np.ndarray
   host: np.ndarray
   source: str = MESH
+  alternatives: tuple[Topology, ...] = ()   # other host placements, where hosts are unknown
 
   @functools.cached_property
   def key(self) -> tuple:
-    return (self.process.shape, self.process.tobytes(), self.host.tobytes())
+    return (self.process.shape, self.process.tobytes(), self.host.tobytes(),
+            tuple(a.key for a in self.alternatives))
 
   def __hash__(self):
     return hash(self.key)
@@ -94,7 +103,9 @@ class Topology:
   def label(self) -> str:
     """The classes used, and how they were found unless read from the mesh's devices:
     ``"host, process-major"``."""
-    return "+".join(self.used) + ("" if self.source == MESH else f", {self.source}")
+    unknown = "".join(f", hosts unknown: also priced as {'+'.join(a.used)}"
+                      for a in self.alternatives)
+    return "+".join(self.used) + ("" if self.source == MESH else f", {self.source}") + unknown
 
   @property
   def span(self) -> str:
@@ -110,15 +121,22 @@ def single_process(n: int) -> Topology:
 
 def of_devices(devices: np.ndarray, mesh_names: Sequence[str], axes: Sequence[str]) -> Topology:
   """The topology of a collective over ``axes`` of a mesh whose devices are ``devices``
-  (an array shaped as the mesh, axes ``mesh_names``)."""
+  (an array shaped as the mesh, axes ``mesh_names``). A device's host is its TPU slice and
+  its process's host (:func:`hosts`); where hosts are unknown, each process is a host of its
+  own, and all of a slice's processes on one host is the alternative."""
   import jax
   devices = np.asarray(devices, object)
-  process = np.vectorize(lambda d: d.process_index, otypes=[np.int64])(devices)
-  table = hosts(jax.process_count())
-  host = np.vectorize(lambda d: _host_of(d, table), otypes=[np.int64])(devices)
-  if gloo_everywhere(devices.flat[0].platform, jax.process_count()):
-    process = np.vectorize(lambda d: d.id, otypes=[np.int64])(devices)
-  return _group(process, host, mesh_names, axes, MESH)
+  platform = devices.flat[0].platform
+  ids = lambda attribute: np.vectorize(attribute, otypes=[np.int64])(devices)  # noqa: E731
+  process = ids(lambda d: d.process_index)
+  slices = ids(lambda d: int(getattr(d, "slice_index", 0) or 0) << 20)
+  table = hosts(jax.process_count(), platform)
+  host = slices + (process if table is None else np.asarray(table, np.int64)[process])
+  if gloo_everywhere(platform, jax.process_count()):
+    process = ids(lambda d: d.id)
+  alternatives = () if table is not None else (
+      _group(process, slices, mesh_names, axes, MESH),)
+  return _group(process, host, mesh_names, axes, MESH, alternatives)
 
 
 def gloo_everywhere(platform: str, process_count: int) -> bool:
@@ -139,17 +157,21 @@ def process_major(mesh_names: Sequence[str], mesh_sizes: Sequence[int], axes: Se
   host = process if hosts is None else np.asarray(hosts, np.int64)[process]
   if gloo_everywhere(platform, process_count):
     process = flat
-  return _group(process, host, mesh_names, axes, PROCESS_MAJOR)
+  alternatives = ()
+  if hosts is None and process_count > 1:   # unknown: all on one host is as consistent
+    alternatives = (_group(process, np.zeros_like(host), mesh_names, axes, PROCESS_MAJOR),)
+  return _group(process, host, mesh_names, axes, PROCESS_MAJOR, alternatives)
 
 
-def _group(process: np.ndarray, host: np.ndarray, mesh_names, axes, source) -> Topology:
+def _group(process: np.ndarray, host: np.ndarray, mesh_names, axes, source,
+           alternatives: tuple[Topology, ...] = ()) -> Topology:
   """Mesh-shaped ids -> ``[N, G]`` with the collective's axes (in ``axes``' order, rank
   numbering as ``lax.axis_index(axes)``) first."""
   order = [list(mesh_names).index(a) for a in axes]
   rest = [i for i in range(len(mesh_names)) if i not in order]
   n = math.prod(process.shape[i] for i in order)
   flat = lambda ids: _first_seen(np.transpose(ids, order + rest).reshape(n, -1))
-  return Topology(flat(process), flat(host), source)
+  return Topology(flat(process), flat(host), source, alternatives)
 
 
 def _first_seen(ids: np.ndarray) -> np.ndarray:
@@ -184,22 +206,27 @@ def exchange_hosts(client, process_id: int, num_processes: int,
   return _hosts
 
 
-def hosts(process_count: int) -> tuple[int, ...] | None:
-  """Host id of every process (equal ids: one host), or None when no table was exchanged."""
+def hosts(process_count: int, platform: str | None = None) -> tuple[int, ...] | None:
+  """Host id of every process (equal ids: one host): from jaxcoll's table, else from jax's
+  own boot ids (module docstring); None when neither is known."""
   if process_count <= 1:
     return (0,)
-  if _hosts is None or len(_hosts) != process_count:
+  table = _hosts if _hosts is not None and len(_hosts) == process_count else \
+      _boot_ids(process_count, platform or _platform())
+  if table is None:
     return None
-  names = sorted(set(_hosts))
-  return tuple(names.index(h) for h in _hosts)
+  names = sorted(set(table))
+  return tuple(names.index(h) for h in table)
 
 
-def _host_of(device, table: tuple[int, ...] | None) -> int:
-  """A device's host id: its TPU slice, else its process's host in ``table`` (:func:`hosts`),
-  else its process (a host of its own)."""
-  process = device.process_index
-  host = table[process] if table is not None and process < len(table) else process
-  return int(getattr(device, "slice_index", 0) or 0) * (1 << 20) + host
+@functools.cache
+def _boot_ids(process_count: int, platform: str) -> tuple[str, ...] | None:
+  return compat.boot_ids(process_count, platform)
+
+
+def _platform() -> str:
+  import jax
+  return jax.devices()[0].platform
 
 
 def current(axes: Sequence[str], axis_sizes: Sequence[int], mesh=None) -> Topology:
@@ -226,5 +253,6 @@ def of_mesh_shape(names: Sequence[str], sizes: Sequence[int], axes: Sequence[str
   processes = jax.process_count()
   if processes == 1:
     return single_process(math.prod(dict(zip(names, sizes))[a] for a in axes))
-  return process_major(names, sizes, axes, processes, jax.device_count(), hosts(processes),
-                       jax.devices()[0].platform)
+  platform = jax.devices()[0].platform
+  return process_major(names, sizes, axes, processes, jax.device_count(),
+                       hosts(processes, platform), platform)
