@@ -174,18 +174,28 @@ def launch_script(script: str, argv: Sequence[str] | None = None, processes: int
 
 
 def benchmark(parser, child, script: str, argv: Sequence[str] | None = None) -> int:
-  """What every benchmark with ``--processes 1|2`` shares: adds ``--processes``,
+  """What every benchmark with ``--processes 1|2`` shares: adds ``--processes``, ``--init``,
   ``--timeout`` and the hidden ``--child`` to ``parser``; with 1 process runs
   ``child(args)`` here on 8 CPU devices; with 2, re-runs ``script`` as 2 ranks x 4 devices
-  (:func:`launch_script`), each of which joins the job and runs ``child(args)``.
-  Call it before JAX touches a device."""
+  (:func:`launch_script`), each of which joins the job and runs ``child(args)``: through
+  :func:`jaxcoll.distributed.initialize` (``--init jaxcoll``), or as most programs do, by
+  calling ``jax.distributed.initialize`` alone with the job's coordinator, size and rank
+  (``--init jax``: no jaxcoll host table). Call it before JAX touches a device."""
   parser.add_argument("--processes", type=int, default=1, choices=(1, 2))
+  parser.add_argument("--init", default="jaxcoll", choices=("jaxcoll", "jax"),
+                      help="how each rank joins the job: jaxcoll.distributed.initialize, or "
+                           "plain jax.distributed.initialize")
   parser.add_argument("--timeout", type=float, default=3000)
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.processes > 1 and not args.child:
     return launch_script(script, argv, processes=2, devices_per_process=4, timeout=args.timeout)
-  if args.processes > 1:
+  if args.processes > 1 and args.init == "jax":
+    import jax
+    jax.distributed.initialize(coordinator_address=os.environ[ENV_COORDINATOR],
+                               num_processes=int(os.environ[ENV_NUM_PROCESSES]),
+                               process_id=int(os.environ[ENV_PROCESS_ID]))
+  elif args.processes > 1:
     from jaxcoll import distributed
     distributed.initialize()
   else:

@@ -209,10 +209,10 @@ def test_tuple_errors_name_the_argument():
   x = np.zeros((8, 8), np.float32)
 
   def raises(fn, match, data=x):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
       run(mesh, fn, data)
 
-  raises(lambda v: jaxcoll.all_reduce(v, "local", algorithm="hierarchical"), "tuple of mesh axes")
+  raises(lambda v: jaxcoll.all_reduce(v, "local", algorithm="hierarchical"), "tuple of .*mesh axes")
   raises(lambda v: jaxcoll.all_reduce(v, ("node", "local"),
                                       algorithm=jaxcoll.Hierarchical(("ring",))), "per_axis")
   raises(lambda v: jaxcoll.all_reduce(v, ("node", "gpu")), "axis_name='gpu'")

@@ -12,7 +12,7 @@ accumulation dtypes (:func:`accumulate`), integers and numbers in a range (:func
 (:func:`dtype`, :func:`floating`). Wire format names are checked by
 :func:`jaxcoll._src.wire.wire_format`, op names by :func:`jaxcoll._src.ops.check_op`,
 primitives by :func:`jaxcoll._src.spec.spec`.
-Nothing here imports the runtime (executor, collectives).
+Nothing here imports jaxcoll's runtime (executor, collectives).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -73,7 +74,7 @@ def dtype(value, where: str) -> np.dtype:
   """``value`` (a dtype, a dtype's name, a scalar type) as a numpy dtype."""
   try:
     return np.dtype(getattr(ml_dtypes, value, value) if isinstance(value, str) else value)
-  except TypeError:
+  except (TypeError, ValueError, SyntaxError, AssertionError):   # numpy's parse errors vary
     raise TypeError(f"{where}={value!r}: expected a dtype (e.g. 'float32')") from None
 
 
@@ -100,6 +101,10 @@ def accumulate(value, data_dtype, where: str = "accumulate_dtype") -> np.dtype |
   acc, data = floating(value, where), np.dtype(data_dtype)
   if acc is None:
     return None
+  if acc.itemsize == 8 and not jax.config.jax_enable_x64:
+    raise ValueError(f"{where}={acc.name} needs 64-bit types, which JAX computes as 32-bit "
+                     "unless x64 is on (JAX_ENABLE_X64=1 / jax.config.update('jax_enable_x64', "
+                     "True))")
   if not (is_floating(data) or data.kind == "c"):
     raise ValueError(f"{where}={acc.name} applies to floating data; x has dtype {data.name}")
   if data.kind == "c":

@@ -158,6 +158,8 @@ def _collective(primitive: str, x, axis_name, algorithm, *, native, finish, op=N
   move = move or (lambda v: v)
 
   checks.algorithm(primitive, algorithm, num_axes=len(axes))
+  if facts.reduces:
+    checks.choice(op, ops.OPS, "op")
 
   def leaf(x):
     x = _prepare(x, op)

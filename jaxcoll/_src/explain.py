@@ -145,6 +145,10 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
     raise TypeError("x=None: expected an array, a jax.ShapeDtypeStruct or a pytree of them")
   if not _is_leaf(x):
     leaves = jax.tree_util.tree_flatten_with_path(x, is_leaf=_is_leaf)[0]
+    for path, leaf in leaves:
+      if not _is_leaf(leaf):
+        raise TypeError(f"x{jax.tree_util.keystr(path)}={leaf!r}: expected an array or a "
+                        "jax.ShapeDtypeStruct (anything with .shape and .dtype)")
     return Explanations(tuple(
         (jax.tree_util.keystr(path), explain(primitive, leaf, mesh, axis_name, profile,
                                              accumulate_dtype=accumulate_dtype,

@@ -19,7 +19,7 @@ import math
 import jax
 import numpy as np
 
-from jaxcoll._src import compat
+from jaxcoll._src import checks, compat
 from jaxcoll._src.table import Table
 
 _COLLECTIVES = ("psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant",
@@ -59,8 +59,8 @@ def traffic(fn, mesh, *args, **kwargs) -> Traffic:
   """Traces ``fn(*args, **kwargs)`` (a jitted or shard_mapped step over ``mesh``: anything
   ``jax.make_jaxpr`` takes) and counts the bytes its ppermutes send across each axis of
   ``mesh`` (module docstring)."""
-  names = tuple(mesh.axis_names)
-  shape = tuple(int(mesh.shape[a]) for a in names)
+  shape_of = checks.mesh_shape(mesh)
+  names, shape = tuple(shape_of), tuple(shape_of.values())
   coords = np.stack(np.unravel_index(np.arange(math.prod(shape)), shape), axis=1)
   sent = np.zeros((len(coords), len(names)))
   messages = np.zeros(len(names), np.int64)

@@ -41,6 +41,8 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from jaxcoll._src import checks
+
 WIRE_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
 DEFAULT_BLOCK_SIZE = 256
 _SCALED = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
@@ -70,8 +72,8 @@ class WireFormat:
     if self.name not in WIRE_DTYPES:
       raise ValueError(f"wire_dtype={self.name!r}: expected one of {WIRE_DTYPES} "
                        "(or the input's own dtype, which sends it uncompressed)")
-    b = self.block_size
-    if not isinstance(b, (int, np.integer)) or b < 1 or b & (b - 1):
+    b = checks.integer(self.block_size, "wire_block_size", least=1)
+    if b & (b - 1):
       raise ValueError(f"wire_block_size={b!r} must be a positive power of two")
 
   @property
@@ -146,8 +148,7 @@ def wire_name(wire_dtype, where: str = "wire_dtype") -> str:
   """The name of ``wire_dtype`` (a name, a dtype or a scalar type); ValueError naming
   ``where`` unless numpy or ml_dtypes knows it."""
   try:
-    return np.dtype(getattr(ml_dtypes, wire_dtype, wire_dtype) if isinstance(wire_dtype, str)
-                    else wire_dtype).name
+    return checks.dtype(wire_dtype, where).name
   except TypeError:
     return _unknown(wire_dtype, where)
 

@@ -43,7 +43,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src.algorithms import algorithms
 from jaxcoll._src.collectives import all_gather, reduce_scatter
-from jaxcoll.tools import check_algorithm, check_floating, normalize_axes, wire_format
+from jaxcoll.tools import (
+  check_algorithm,
+  check_floating,
+  check_int,
+  normalize_axes,
+  wire_format,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -71,13 +77,18 @@ def shard(params, num_shards: int, *, axis=0):
   """Every leaf of ``params`` as a :class:`Sharded`, padded along ``axis`` to a multiple of
   ``num_shards`` (scalars become 1-element vectors). ``axis``: an int for every leaf, or a
   pytree prefix of ``params`` with an int per subtree. ``unshard(shard(p, n)) == p``."""
-  if not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
-    raise ValueError(f"shard: num_shards={num_shards!r} must be a positive int")
+  check_int(num_shards, "num_shards", least=1)
+  try:
+    axes = _axes_tree(axis, params)
+  except ValueError:   # not a prefix of params (None is an empty one)
+    raise ValueError(f"shard: axis={axis!r}: expected an int, or a pytree prefix of params "
+                     "with an int per leaf or subtree") from None
 
   def one(path, leaf, ax):
     leaf = jnp.asarray(leaf)
     value = leaf.reshape(1) if leaf.ndim == 0 else leaf
-    if not isinstance(ax, (int, np.integer)) or not -value.ndim <= ax < value.ndim:
+    if isinstance(ax, bool) or not isinstance(ax, (int, np.integer)) or \
+        not -value.ndim <= ax < value.ndim:
       raise ValueError(f"shard: params{jax.tree_util.keystr(path)} has shape {leaf.shape}; "
                        f"axis={ax!r} is not one of its dimensions (axis= may be a pytree of "
                        "ints, one per leaf or subtree)")
@@ -86,7 +97,7 @@ def shard(params, num_shards: int, *, axis=0):
     pad[ax] = (0, -value.shape[ax] % num_shards)
     return Sharded(jnp.pad(value, pad), tuple(leaf.shape), ax)
 
-  return jax.tree_util.tree_map_with_path(one, params, _axes_tree(axis, params))
+  return jax.tree_util.tree_map_with_path(one, params, axes)
 
 
 def _trim(s: Sharded, full):

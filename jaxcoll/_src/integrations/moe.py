@@ -331,6 +331,10 @@ def combine(expert_outputs, state: RoutingState, gates, *, wire_dtype=None):
   if y.shape[:2] != (local, n * c):
     raise ValueError(f"combine: expert_outputs must be [{local}, {n * c}, d] (dispatch's "
                      f"layout), got shape {y.shape}")
+  gates = jnp.asarray(gates)
+  if gates.shape != state.expert_ids.shape:
+    raise ValueError(f"combine: gates must be [T, k] = {state.expert_ids.shape} like dispatch's "
+                     f"expert_ids, got shape {gates.shape}")
   d = y.shape[-1]
   y = jnp.swapaxes(y.reshape(local, n, c, d), 0, 1)                       # [N, E/N, C, d]
   if state.algorithm == ALLGATHER:   # this device's experts' share of every token's sum
