@@ -191,3 +191,28 @@ def test_integrations_use_only_the_public_api(path):
   """Training and MoE are built on what a user can import: the collectives, explain,
   config and the building blocks in ``jaxcoll.tools``."""
   assert not internal_names(path)
+
+
+def test_readme_s_install_command_installs_what_every_example_imports():
+  """README's first command must run every example, not only the quickstart: each package an
+  example imports is a dependency or in the extra that command installs."""
+  import re
+  import sys
+  import tomllib
+  top = ROOT.parent
+  command = (top / "README.md").read_text().split("```bash\n", 1)[1].splitlines()[0]
+  extras = re.findall(r"pip install -e '\.\[([\w,]+)\]'", command)
+  assert extras, command
+  project = tomllib.loads((top / "pyproject.toml").read_text())["project"]
+  installed = {re.split(r"[<>=\[ ]", d)[0] for d in project["dependencies"]}
+  for extra in extras[0].split(","):
+    installed |= {re.split(r"[<>=\[ ]", d)[0] for d in project["optional-dependencies"][extra]}
+  installed |= {"jaxcoll", "jaxlib"}
+  for example in sorted((top / "examples").glob("*.py")):
+    for node in ast.walk(ast.parse(example.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+      for name in names:
+        root = name.split(".")[0]
+        if root not in sys.stdlib_module_names:
+          assert root in installed, f"{example.name} imports {root}, not installed by {command}"

@@ -353,3 +353,76 @@ def test_explain_prices_compressed_exchanges_on_their_wire_bytes():
       assert b.explanation.chosen != "native"
     else:
       assert b.explanation.predicted_s == a.explanation.predicted_s
+
+
+def explicit_reference(x, ids, gates, w, cap):
+  """Dense MoE on given ids: pairs with an id outside [0, E) take no slot and add nothing;
+  the rest are capacity-limited per source in choice-major order."""
+  n, t, _ = x.shape
+  e, k = w.shape[0], ids.shape[-1]
+  out, dropped = [], 0
+  for s in range(n):
+    fill, y = np.zeros(e, int), jnp.zeros((t, x.shape[-1]), x.dtype)
+    for j in range(k):
+      for i in range(t):
+        ex = int(ids[s, i, j])
+        if not 0 <= ex < e:
+          dropped += 1
+          continue
+        if fill[ex] < cap:
+          y = y.at[i].add(gates[s, i, j] * expert_fn(w[ex], x[s, i]))
+        else:
+          dropped += 1
+        fill[ex] += 1
+    out.append(y)
+  return jnp.stack(out), dropped
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("algorithm,cap", [("direct", 3), ("allgather", 3), ("direct", None),
+                                           ("auto", 2)])
+def test_expert_ids_outside_the_experts_are_dropped_pairs(algorithm, cap):
+  """A -1 from a masked router, or an id from a router wider than num_experts: the pair is
+  dropped and counted, takes no slot, and adds nothing to the output or the gradients
+  (its row used to receive another token's data)."""
+  n, t, k, e = 4, 6, 2, 8
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((n, t, D)).astype(np.float32)
+  w = rng.standard_normal((e, D, D)).astype(np.float32) / np.sqrt(D)
+  ids = rng.integers(0, e, (n, t, k)).astype(np.int32)
+  ids[:, ::2, 1] = -1            # masked second choices
+  ids[:, 1, 0] = e + 3           # a router wider than num_experts
+  gates = rng.uniform(0.1, 1.0, (n, t, k)).astype(np.float32)
+  mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+
+  def body(x, ids, gates, w):
+    h, state = moe.dispatch(x[0], ids[0], num_experts=e, capacity=cap, axis_name="x",
+                            algorithm=algorithm)
+    y = moe.combine(jax.vmap(expert_fn)(w, h), state, gates[0])
+    return y[None], state.dropped[None], moe.total_dropped(state)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 4,
+                            out_specs=(P("x"), P("x"), P())))
+  limit = t * k if cap is None else cap
+  want, dropped = explicit_reference(x, ids, gates, w, limit)
+  got, per_device, total = f(x, ids, gates, w)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert int(np.sum(per_device)) == int(total) == dropped
+  assert dropped >= n * (t // 2 + 1)     # at least every invalid pair
+  loss = lambda x, w: jnp.sum(jnp.sin(f(x, ids, gates, w)[0]))   # noqa: E731
+  loss_ref = lambda x, w: jnp.sum(jnp.sin(explicit_reference(x, ids, gates, w, limit)[0]))  # noqa
+  for g, g_ref in zip(jax.grad(loss, argnums=(0, 1))(x, w),
+                      jax.grad(loss_ref, argnums=(0, 1))(x, w)):
+    np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.quick
+def test_route_checks_the_router_width_and_explain_prices_dropless():
+  logits = np.zeros((4, 16), np.float32)
+  with pytest.raises(ValueError, match="num_experts=8 differs from the router's width"):
+    moe.route(logits, 2, num_experts=8)
+  assert moe.route(logits, 2, num_experts=16)[0].shape == (4, 2)
+  sds = jax.ShapeDtypeStruct((64, 16), jnp.float32)
+  dropless = moe.explain(sds, 2, num_experts=8, capacity=None, mesh={"x": 8}, axis_name="x")
+  assert dropless.capacity == moe.capacity(64, 8, 2)     # one trip of the default chunk
+  assert "C=16" in str(dropless)

@@ -155,3 +155,14 @@ def test_data_parallel_accepts_every_way_to_sync(how):
   # int8: each of the ring's 2(N-1) hops errs by at most relative_error of a block's max
   bound = 0.1 * np.abs(grads["w"]).max() * 14 * jaxcoll.WireFormat("int8").relative_error
   np.testing.assert_allclose(params["w"], want, rtol=1e-5, atol=bound if "int8" in how else 0)
+
+
+def test_data_parallel_batch_leaves_of_different_lengths_are_named():
+  """64 and 32 rows would give each device 8 and 4: a broadcasting error from deep inside."""
+  tx = optax.sgd(0.1)
+  step = jaxcoll.data_parallel(step_with(tx, lambda g: jaxcoll.sync_gradients(g, AXIS)),
+                               mesh(8), AXIS)
+  batch = {"x": BATCH["x"], "y": BATCH["y"][:32]}
+  with pytest.raises(ValueError, match=r"argument 2\['x'\] has 64 rows but argument "
+                                       r"2\['y'\] has 32"):
+    step(PARAMS, tx.init(PARAMS), batch)
