@@ -34,9 +34,11 @@ import io
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Sequence
 
 import tqdm
@@ -110,6 +112,38 @@ def _seconds(text: str) -> float:
   return value
 
 
+class Interrupts:
+  """A sweep's Ctrl-C, as a ``with`` block: the first SIGINT asks the sweep to stop before
+  its next call (:attr:`requested`, which :func:`run` checks before every call of every
+  program, so it stops within the measurement under way) and restores the default action,
+  so a second one ends the process at once, whatever it is running. A flag rather than
+  Python's KeyboardInterrupt, which is lost when it lands in a finalizer and waits for
+  every library frame it unwinds. Outside the main thread (where Python takes no signal
+  handler) it only holds the flag."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def _first(self, signum, frame) -> None:
+    self.requested = True
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+  def __enter__(self) -> Interrupts:
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGINT, self._first)
+    return self
+
+  def __exit__(self, *exc) -> bool:
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
+    return False
+
+
+class Stopped(Exception):
+  """Raised inside :func:`run` when its ``stop`` says so; run returns the rows measured."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
   """One measurement: an algorithm at a size."""
@@ -132,7 +166,8 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
         mesh=None, axes: Sequence[str] | None = None, dtype="float32", iters: int = 20,
         warmup: int = 5, check: bool = False, profile=None, min_seconds: float = 0.0,
         progress: bool = False, wire: Sequence[str] = (),
-        on_rows: Callable[[list[Row]], None] | None = None) -> list[Row]:
+        on_rows: Callable[[list[Row]], None] | None = None,
+        stop: Callable[[], bool] | None = None) -> list[Row]:
   """Measures ``op`` at every size with every algorithm; returns one :class:`Row` each.
 
   Args:
@@ -158,6 +193,8 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
       inputs are then standard normal (not small integers), and ``check`` records
       each row's largest error relative to the native result's largest magnitude.
     on_rows: called with each size's rows as soon as they are measured.
+    stop: asked before every call of every program (``Interrupts.requested``); when it says
+      True the size under way is dropped and the rows of the sizes done are returned.
   """
   import jax
   import numpy as np
@@ -227,9 +264,17 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
       fns = {k: jax.jit(jax.shard_map(
           lambda v, a=a, w=k[1]: tools.flat_call(op, v[0], axis_arg, a, wire_dtype=w)[None],
           mesh=mesh, in_specs=spec, out_specs=spec)) for k, a in runs.items()}
-      times = dict(zip(fns, tools.interleaved(
-          [lambda f=f, x=x: f(x).block_until_ready() for f in fns.values()],
-          reps=iters, warmup=warmup, min_seconds=min_seconds)))
+      def timed(f, x=x):
+        def call():
+          if stop is not None and stop():
+            raise Stopped
+          f(x).block_until_ready()
+        return call
+      try:
+        times = dict(zip(fns, tools.interleaved([timed(f) for f in fns.values()], reps=iters,
+                                                warmup=warmup, min_seconds=min_seconds)))
+      except Stopped:
+        break
       wrong, errors = dict.fromkeys(fns), dict.fromkeys(fns)
       if check:
         native = jax.jit(jax.shard_map(lambda v: tools.flat_call(op, v[0], axis_arg, NATIVE)[None],
@@ -452,6 +497,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """``jaxcoll-bench``; Ctrl-C (:class:`Interrupts`) stops the sweep and keeps what it
+  measured (exit code 130)."""
+  with Interrupts() as interrupts:
+    return _main(argv, interrupts)
+
+
+def _main(argv: Sequence[str] | None, interrupts: Interrupts) -> int:
   args = _parser().parse_args(argv)
   if args.redop != "sum":
     raise SystemExit(f"-o {args.redop}: the bench times sum only; jaxcoll.all_reduce(x, axis, "
@@ -514,30 +566,29 @@ def main(argv: Sequence[str] | None = None) -> int:
          f"{dtype.itemsize} B): {', '.join(map(format_size, sizes))} measured as "
          f"{', '.join(map(format_size, rounded_sizes(sizes, unit)))}"])
   rows: list[Row] = []
-  interrupted = False
 
   def took(measured: list[Row]) -> None:   # each size's rows, as soon as they are measured
     rows.extend(measured)
     say(row_lines(measured))
 
-  try:
-    for op in ops:
-      chosen = algorithms
-      if args.pieces and op != "all_to_all":   # all_to_all stages forward whole blocks
-        import jaxcoll
-        chosen = [*([*jaxcoll.algorithms(op, num_axes=len(over)), "auto"]
-                    if algorithms == "all" else algorithms),
-                  jaxcoll.Hierarchical(pieces=tuple(int(v) for v in args.pieces.split(",")))]
-      try:
-        run(op, sizes, chosen, mesh=mesh, axes=over, dtype=dtype, iters=args.iters,
-            warmup=args.warmup_iters, check=bool(args.check), profile=profile,
-            min_seconds=args.min_seconds, progress=not args.no_progress,
-            wire=tuple(w.strip() for w in args.wire.split(",")) if args.wire else (),
-            on_rows=took)
-      except ValueError as e:
-        raise SystemExit(str(e)) from e
-  except KeyboardInterrupt:   # keep what was measured
-    interrupted = True
+  for op in ops:
+    chosen = algorithms
+    if args.pieces and op != "all_to_all":   # all_to_all stages forward whole blocks
+      import jaxcoll
+      chosen = [*([*jaxcoll.algorithms(op, num_axes=len(over)), "auto"]
+                  if algorithms == "all" else algorithms),
+                jaxcoll.Hierarchical(pieces=tuple(int(v) for v in args.pieces.split(",")))]
+    try:
+      run(op, sizes, chosen, mesh=mesh, axes=over, dtype=dtype, iters=args.iters,
+          warmup=args.warmup_iters, check=bool(args.check), profile=profile,
+          min_seconds=args.min_seconds, progress=not args.no_progress,
+          wire=tuple(w.strip() for w in args.wire.split(",")) if args.wire else (),
+          on_rows=took, stop=lambda: interrupts.requested)
+    except ValueError as e:
+      raise SystemExit(str(e)) from e
+    if interrupts.requested:
+      break
+  interrupted = interrupts.requested
   if not main_process:
     return 130 if interrupted else 0
   say(footer_lines(rows) + (["# interrupted: the rows above were measured"]

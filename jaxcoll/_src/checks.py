@@ -105,11 +105,9 @@ def accumulate(value, data_dtype, where: str = "accumulate_dtype") -> np.dtype |
     raise ValueError(f"{where}={acc.name} needs 64-bit types, which JAX computes as 32-bit "
                      "unless x64 is on (JAX_ENABLE_X64=1 / jax.config.update('jax_enable_x64', "
                      "True))")
-  if not (is_floating(data) or data.kind == "c"):
-    raise ValueError(f"{where}={acc.name} applies to floating data; x has dtype {data.name}")
-  if data.kind == "c":
-    raise ValueError(f"{where}={acc.name}: complex data ({data.name}) accumulates in its own "
-                     "dtype; leave accumulate_dtype=None")
+  if not is_floating(data):
+    raise ValueError(f"{where}={acc.name} applies to real floating data; x has dtype "
+                     f"{data.name}")
   a, d = ml_dtypes.finfo(acc), ml_dtypes.finfo(data)
   if a.nmant < d.nmant or a.maxexp < d.maxexp or a.minexp > d.minexp:
     raise ValueError(f"{where}={acc.name} is narrower than the data's dtype {data.name} (fewer "

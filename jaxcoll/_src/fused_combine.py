@@ -38,6 +38,7 @@ KERNEL_OPS = ("sum", "prod", "min", "max", "mean")
 LANES = (1024, 512, 256, 128)
 TILE_VALUES = 1 << 16        # values per tile (256 KiB of float32)
 COMPILED_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
+GPU_COMPILERS = ("triton", "mosaic_gpu")   # Pallas' GPU back ends (``compiler=``)
 
 
 def backend_compiles() -> bool:
@@ -58,11 +59,12 @@ class _Spec:
   work_dtype: np.dtype
   stochastic: bool
   interpret: bool
+  compiler: str | None = None
 
 
 def fused_combine(acc, recv, *, op: str = "sum", scale: float | None = None, out_dtype=None,
                   rounding: str = "nearest", key=None, recv_exponents=None,
-                  interpret: bool | None = None):
+                  interpret: bool | None = None, compiler: str | None = None):
   """``round(op(acc, decode(recv)) * scale)``, computed in one Pallas kernel.
 
   Args:
@@ -82,6 +84,8 @@ def fused_combine(acc, recv, *, op: str = "sum", scale: float | None = None, out
       ``recv.shape[-1] // blocks``; exponent 127 decodes to NaN.
     interpret: run Pallas' interpreter; None: only where the backend cannot
       compile the kernel (CPU).
+    compiler: on a GPU, Pallas' back end: "triton" or "mosaic_gpu" (where this jax has
+      it); None: Pallas' default. Only for a compiled kernel (an error in interpret mode).
 
   Returns:
     The new accumulator, ``acc``'s shape, dtype ``out_dtype``.
@@ -89,6 +93,13 @@ def fused_combine(acc, recv, *, op: str = "sum", scale: float | None = None, out
   acc, recv = jnp.asarray(acc), jnp.asarray(recv)
   out_dtype = np.dtype(acc.dtype if out_dtype is None else out_dtype)
   spec = _check(acc, recv, op, scale, out_dtype, rounding, key, recv_exponents, interpret)
+  if compiler is not None:
+    if compiler not in GPU_COMPILERS:
+      raise ValueError(f"compiler={compiler!r}: expected one of {GPU_COMPILERS} or None")
+    if spec.interpret or jax.default_backend() not in ("gpu", "cuda", "rocm"):
+      raise ValueError(f"compiler={compiler!r} chooses a GPU back end; this kernel runs "
+                       f"{'interpreted' if spec.interpret else 'on ' + jax.default_backend()}")
+    spec = dataclasses.replace(spec, compiler=compiler)
   shape = acc.shape
   width = recv.shape[-1] // recv_exponents.shape[-1] if recv_exponents is not None else (
       next((w for w in LANES if acc.size % w == 0), LANES[-1]))
@@ -215,8 +226,20 @@ def _pallas(spec: _Spec, acc, recv, exps, bits):
       functools.partial(_kernel, spec, exps is not None, bits is not None),
       grid=(pl.cdiv(rows, tile),), in_specs=in_specs, out_specs=block(width), out_shape=out,
       input_output_aliases={0: 0} if spec.out_dtype == acc.dtype else {},
-      interpret=spec.interpret, name="jaxcoll_fused_combine")
+      interpret=spec.interpret, name="jaxcoll_fused_combine",
+      compiler_params=_compiler_params(spec.compiler))
   return call(*operands)
+
+
+def _compiler_params(compiler: str | None):
+  """Pallas' compiler parameters that select ``compiler`` (None: its default)."""
+  if compiler == "triton":
+    from jax.experimental.pallas import triton
+    return triton.CompilerParams()
+  if compiler == "mosaic_gpu":
+    from jax.experimental.pallas import mosaic_gpu
+    return mosaic_gpu.CompilerParams()
+  return None
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
