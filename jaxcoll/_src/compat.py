@@ -14,6 +14,8 @@ that moves one fails there first, loudly, instead of somewhere deep in a collect
 - ``distributed_client``: ``jax.distributed``'s client, whose key-value store
   (``key_value_set``, ``blocking_key_value_get``) carries the host table of
   :mod:`topology`; ``jax._src.distributed.global_state.client`` on both versions.
+- ``custom_jvp_rule``: the jaxpr of a ``custom_jvp_call``'s rule (``jvp_jaxpr_fun``), for
+  ``jaxcoll.use`` to run the user's rule through its own evaluator.
 - ``boot_ids``: each process's machine, from the topology jax's own backend published in
   that store (``<platform>:local_topology/<platform>/<process>``), for jobs started with
   plain ``jax.distributed.initialize``.
@@ -166,6 +168,18 @@ def sub_jaxprs(params) -> list:
       if hasattr(j, "eqns") or hasattr(getattr(j, "jaxpr", None), "eqns"):
         out.append(j)
   return out
+
+
+def custom_jvp_rule(params) -> tuple[object, list, list[bool]]:
+  """A ``custom_jvp_call`` equation's rule as a jaxpr: ``(jaxpr, consts, out_zeros)``, the
+  jaxpr taking the primals (after the ``num_consts`` leading consts) then every tangent
+  (none symbolically zero). ``params["jvp_jaxpr_fun"]`` (a ``lu.WrappedFun`` of the
+  tangents' zero flags) on both versions, as ``jax._src.custom_derivatives.lift_jvp`` calls
+  it."""
+  fun = params["jvp_jaxpr_fun"]
+  n = len(open_jaxpr(params["call_jaxpr"])[0].invars) - params["num_consts"]
+  jaxpr, consts, out_zeros = fun.call_wrapped(*[False] * n)
+  return jaxpr, list(consts), list(out_zeros)
 
 
 def scan_counts(params) -> tuple[int, int]:

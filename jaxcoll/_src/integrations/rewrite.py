@@ -8,7 +8,9 @@ around an evaluation of its sub-jaxpr (``HIGHER_ORDER``), so the rewrite reaches
 shard_map bodies, nested jit, scan, while, cond, checkpoint (with the user's policy) and
 custom_jvp/custom_vjp functions (their rules too). Every other equation is bound as it
 was. Because the evaluation runs on the caller's tracers, ``jax.grad(use(f))``,
-``use(jax.grad(f))``, ``jax.jit(use(f))`` and ``jax.vmap`` compose as usual.
+``use(jax.grad(f))``, ``jax.jit(use(f))`` and ``jax.vmap`` compose as usual; the gradient
+sums JAX makes for replicated values when it transposes (``pvary``'s, and a
+``check_vma=False`` shard_map's own) run as jaxcoll all_reduces (:mod:`varying`).
 
 What a jaxpr cannot show: collectives that XLA's SPMD partitioner inserts by itself for a
 ``jax.jit`` over sharded arrays (sharding propagation, no shard_map) exist only after
@@ -25,13 +27,16 @@ import functools
 from collections.abc import Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src import compat
 from jaxcoll._src.algorithms import algorithms
 from jaxcoll._src.collectives import all_gather, all_reduce, all_to_all, reduce_scatter, shift
 from jaxcoll._src.config import config
+from jaxcoll._src.integrations.varying import stack, vary
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.spec import PRIMITIVES
 from jaxcoll.tools import check_choice, compresses, wire_format
@@ -71,6 +76,17 @@ class _Options:
     """``wire_dtype=`` for a leaf the format compresses (the rest travel as they are)."""
     return {"wire_dtype": self.wire.name} if self.wire and compresses(
         self.wire.name, x.dtype) else {}
+
+  def vary(self, x, axes: tuple[str, ...]):
+    """:func:`varying.vary` with this rewrite's algorithm and wire format for its sum."""
+    return vary(x, axes, *self._sum_options(axes))
+
+  def stack(self, x, mesh, axes: tuple[str, ...], spec):
+    """:func:`varying.stack` with this rewrite's algorithm and wire format for its sum."""
+    return stack(x, mesh, axes, spec, *self._sum_options(axes))
+
+  def _sum_options(self, axes) -> tuple:
+    return self.algorithm_for("all_reduce", axes), self.wire.name if self.wire else None
 
 
 def _manual(params, key: str = "axis_name") -> tuple[str, ...] | None:
@@ -158,7 +174,17 @@ def _ppermute(opts, invals, params):
   return [shift(x, axes, offset, wrap=wrap, algorithm=opts.algorithm_for("shift", axes))]
 
 
+def _pvary(opts, invals, params):
+  """JAX's invariant-to-varying cast, as :func:`varying.vary`: its transpose (the gradient sum
+  of a replicated value) runs as jaxcoll's all_reduce."""
+  axes = _manual(params, "axes")
+  if axes is None:
+    return None
+  return [opts.vary(x, axes) for x in invals]
+
+
 COLLECTIVES: dict[str, Callable] = {
+    "pvary": _pvary,
     "psum": _reduce("sum"), "psum_invariant": _reduce("sum"),
     "pmax": _reduce("max"), "pmin": _reduce("min"),
     "all_gather": _all_gather("varying"), "all_gather_invariant": _all_gather("invarying"),
@@ -169,11 +195,37 @@ COLLECTIVES: dict[str, Callable] = {
 # ---- higher-order primitives, rebuilt with jax's public API around eval_jaxpr ----
 
 def _shard_map(opts, eqn, invals):
+  """The body rewritten, with the gradient sums JAX would make for replicated values on
+  jaxcoll too (:mod:`varying`): under ``check_vma=True`` every ``pvary`` equation of the body
+  becomes ``vary`` (``_pvary``); under ``check_vma=False`` every input left replicated over
+  some manual axes enters stacked over them (``stack``), so shard_map's own transpose has
+  nothing to sum. Values and gradients are the program's."""
   p = eqn.params
+  manual = tuple(p["newly_manual_axes"])
   body = _evaluator(opts, p["jaxpr"])
-  return jax.shard_map(lambda *a: tuple(body(*a)), mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
-                       out_specs=tuple(p["out_specs"]), check_vma=p["check_vma"],
-                       axis_names=set(p["newly_manual_axes"]))(*invals)
+  in_specs, out_specs = list(p["in_specs"]), tuple(p["out_specs"])
+  stacked = [False] * len(invals)
+  if not p["check_vma"]:
+    names = tuple(p["mesh"].axis_names)
+    for i, (x, spec) in enumerate(zip(invals, in_specs)):
+      missing = tuple(a for a in names if a in manual and a not in _mentioned(spec))
+      if missing:
+        invals[i] = opts.stack(x, p["mesh"], missing, tuple(spec))
+        in_specs[i], stacked[i] = P(missing, *spec), True
+
+  def run(*args):
+    return tuple(body(*[a[0] if s else a for a, s in zip(args, stacked)]))
+
+  return jax.shard_map(run, mesh=p["mesh"], in_specs=tuple(in_specs), out_specs=out_specs,
+                       check_vma=p["check_vma"], axis_names=set(manual))(*invals)
+
+
+def _mentioned(spec) -> set:
+  """The mesh axes a PartitionSpec names."""
+  out = set()
+  for entry in spec:
+    out |= set(entry) if isinstance(entry, (tuple, list)) else {entry} if entry else set()
+  return out
 
 
 def _jit(opts, eqn, invals):
@@ -226,9 +278,10 @@ def _checkpoint(opts, eqn, invals):
 
 
 def _custom_jvp(opts, eqn, invals):
-  """The primal is the rewritten body; the tangent is jax.jvp of the original equation
-  (the user's rule), rewritten too."""
-  body, original = _evaluator(opts, eqn.params["call_jaxpr"]), _bound(eqn)
+  """The primal is the rewritten body; the tangent the user's rule (its jaxpr,
+  :func:`compat.custom_jvp_rule`), rewritten too."""
+  body = _evaluator(opts, eqn.params["call_jaxpr"])
+  consts = eqn.params["num_consts"]
 
   @jax.custom_jvp
   def fn(*args):
@@ -236,7 +289,11 @@ def _custom_jvp(opts, eqn, invals):
 
   @fn.defjvp
   def _(primals, tangents):
-    return rewrite(lambda p, t: jax.jvp(original, p, t), opts)(tuple(primals), tuple(tangents))
+    jaxpr, rule_consts, out_zeros = compat.custom_jvp_rule(eqn.params)
+    out = eval_jaxpr(opts, jaxpr, rule_consts, [*primals[consts:], *tangents[consts:]])
+    out_primals, nonzero = out[:len(out_zeros)], iter(out[len(out_zeros):])
+    return tuple(out_primals), tuple(jnp.zeros_like(p) if zero else next(nonzero)
+                                     for p, zero in zip(out_primals, out_zeros))
 
   return list(fn(*invals))
 
