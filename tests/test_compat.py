@@ -58,3 +58,29 @@ def test_distributed_key_value_store_internals_still_exist():
   for name in ("key_value_set", "blocking_key_value_get"):
     assert hasattr(_jax.DistributedRuntimeClient, name)
   assert compat.distributed_client() is None    # not in a job here
+
+
+def test_a_custom_jvp_rule_is_read_as_its_jaxpr():
+  """jaxcoll.use runs a custom_jvp rule from its jaxpr (params["jvp_jaxpr_fun"]): primals,
+  then tangents, in; primals out, then the tangents not symbolically zero."""
+  @jax.custom_jvp
+  def f(x, y):
+    return jnp.sin(x) * y
+
+  f.defjvp(lambda p, t: (f(*p), 3.0 * t[0] + 5.0 * t[1]))
+  (eqn,) = [e for e in jax.make_jaxpr(f)(1.0, 2.0).jaxpr.eqns
+            if e.primitive.name == "custom_jvp_call"]
+  jaxpr, consts, out_zeros = compat.custom_jvp_rule(eqn.params)
+  assert out_zeros == [False]
+  primal, tangent = jax.core.eval_jaxpr(jaxpr, consts, 1.0, 2.0, 10.0, 100.0)
+  assert primal == pytest.approx(jnp.sin(1.0) * 2.0) and tangent == pytest.approx(530.0)
+
+
+def test_sub_jaxprs_and_their_consts_are_read_on_both_versions():
+  closed = jax.make_jaxpr(lambda x: jax.lax.cond(x > 0, jnp.sin, jnp.cos, x))(1.0)
+  (cond,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "cond"]
+  subs = compat.sub_jaxprs(cond.params)
+  assert len(subs) == 2
+  for sub in subs:
+    jaxpr, consts = compat.open_jaxpr(sub)
+    assert len(jaxpr.invars) == 1 and consts == []
