@@ -18,6 +18,7 @@ from jaxcoll._src.explain import Explanation, Explanations, explain
 from jaxcoll._src.integrations.data_parallel import data_parallel
 from jaxcoll._src.integrations.per_device import PerDevice
 from jaxcoll._src.integrations.rewrite import use
+from jaxcoll._src.integrations.step_report import StepReport, explain_step
 from jaxcoll._src.integrations.sync import sync_gradients, sync_in_backward
 from jaxcoll._src.profile import Link, NativeTimes, Profile
 from jaxcoll._src.schedule import PRIMITIVES, AxisTraffic, Schedule, Step, Transfer
@@ -41,6 +42,7 @@ __all__ = (
     "PerDevice",
     "Profile",
     "Schedule",
+    "StepReport",
     "Step",
     "Table",
     "Traffic",
@@ -56,6 +58,7 @@ __all__ = (
     "data_parallel",
     "distributed",
     "explain",
+    "explain_step",
     "fsdp",
     "kernels",
     "moe",

@@ -14,16 +14,18 @@ The building blocks of an integration (what ``jaxcoll.fsdp``, ``jaxcoll.moe``,
 names and sizes inside shard_map (:func:`normalize_axes`, :func:`axis_size`,
 :func:`axis_sizes`), varying/invariant typing (:func:`make_varying`,
 :func:`check_vma_enabled`; which values of a jaxpr differ between devices: :func:`varying`),
-argument checks (:func:`check_op`, :func:`check_choice`,
-:func:`check_algorithm`, :func:`check_accumulate`, :func:`check_int`, :func:`check_number`,
+argument checks (:func:`check_op`, :func:`check_choice`, :func:`check_algorithm`,
+:func:`check_axis_names`, :func:`check_accumulate`, :func:`check_int`, :func:`check_number`,
 :func:`check_flag`, :func:`check_floating`: each error names the argument),
 wire formats (:func:`wire_format`, :func:`compresses`), auto's margin over the lax
-collective (:data:`NATIVE_MARGIN`), meshes and their axes outside shard_map
-(:func:`mesh_shape`, :func:`axes_in_mesh`) and the explanation helper
-(:func:`format_seconds`).
+collective (:data:`NATIVE_MARGIN`), the names of the lax collective and of auto among the
+schedules (:data:`NATIVE`, :data:`SCHEDULE`), meshes and their axes outside shard_map
+(:func:`mesh_shape`, :func:`axes_in_mesh`), the explanation helper
+(:func:`format_seconds`) and a step's report as it is traced (:class:`ReportLine`,
+:func:`recording`, :func:`record_paused`, :func:`record_at`, :func:`record_note`).
 """
 
-from jaxcoll._src.algorithms import NATIVE, label
+from jaxcoll._src.algorithms import NATIVE, SCHEDULE, label
 from jaxcoll._src.axes import normalize as normalize_axes
 from jaxcoll._src.axes import size as axis_size
 from jaxcoll._src.axes import sizes as axis_sizes
@@ -31,6 +33,7 @@ from jaxcoll._src.calibrate import Measurements, fit, measure
 from jaxcoll._src.checks import accumulate as check_accumulate
 from jaxcoll._src.checks import algorithm as check_algorithm
 from jaxcoll._src.checks import axes_in_mesh, mesh_shape
+from jaxcoll._src.checks import axis_tuple as check_axis_names
 from jaxcoll._src.checks import flag as check_flag
 from jaxcoll._src.checks import floating as check_floating
 from jaxcoll._src.checks import integer as check_int
@@ -47,6 +50,11 @@ from jaxcoll._src.dispatch import (
     profile_in_use,
 )
 from jaxcoll._src.ops import check_op
+from jaxcoll._src.record import Line as ReportLine
+from jaxcoll._src.record import at as record_at
+from jaxcoll._src.record import note as record_note
+from jaxcoll._src.record import paused as record_paused
+from jaxcoll._src.record import recording
 from jaxcoll._src.replicas import varying
 from jaxcoll._src.replicated import check_vma_enabled, make_varying
 from jaxcoll._src.spec import CollectiveSpec, primitives, spec
@@ -54,10 +62,12 @@ from jaxcoll._src.timing import interleaved
 from jaxcoll._src.units import format_seconds, format_size, parse_size
 from jaxcoll._src.wire import compresses, wire_format
 
-__all__ = ("NATIVE", "NATIVE_MARGIN", "Candidate", "CollectiveSpec", "Measurements", "auto_label",
+__all__ = ("NATIVE", "NATIVE_MARGIN", "SCHEDULE", "Candidate", "CollectiveSpec", "Measurements",
+           "ReportLine", "auto_label",
            "axes_in_mesh", "axis_size", "axis_sizes", "candidates", "check_accumulate",
-           "check_algorithm", "check_choice", "check_flag", "check_floating", "check_int",
-           "check_number", "check_op", "check_vma_enabled", "clear_caches", "compresses", "fit",
-           "flat_call", "format_seconds", "format_size", "interleaved", "label", "make_varying",
-           "measure", "mesh_shape", "native_equivalents", "normalize_axes", "parse_size", "pick",
-           "primitives", "profile_in_use", "spec", "varying", "wire_format")
+           "check_algorithm", "check_axis_names", "check_choice", "check_flag", "check_floating",
+           "check_int", "check_number", "check_op", "check_vma_enabled", "clear_caches",
+           "compresses", "fit", "flat_call", "format_seconds", "format_size", "interleaved",
+           "label", "make_varying", "measure", "mesh_shape", "native_equivalents", "normalize_axes",
+           "parse_size", "pick", "primitives", "profile_in_use", "record_at", "record_note",
+           "record_paused", "recording", "spec", "varying", "wire_format")

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from jaxcoll._src import axes as axes_lib
-from jaxcoll._src import checks, dispatch, layout, ops
+from jaxcoll._src import checks, dispatch, layout, ops, record
 from jaxcoll._src import config as config_lib
 from jaxcoll._src import spec as spec_lib
 from jaxcoll._src import wire as wire_lib
@@ -76,6 +76,7 @@ def _resolve(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None):
   if compressed and algo == NATIVE:
     raise ValueError(f"algorithm={NATIVE!r} (the jax.lax collective) cannot send "
                      f"wire_dtype={wire.name!r}; use a schedule, e.g. 'ring', or 'auto'")
+  record.collective(primitive, axes, x.nbytes, algo, call)
   scopes = _scopes.get()
   if scopes is not None:
     scopes.enter_context(jax.named_scope(f"jaxcoll.{primitive}.{algo}"))
@@ -194,7 +195,8 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
     x: a pytree of arrays, any shape and dtype lax accepts for ``op``.
     axis_name: a mesh axis of the enclosing shard_map, or a tuple of them.
     op: "sum", "prod", "min", "max" or "mean" (``lax.pmean``: sum / N).
-    algorithm: "auto", a name from ``algorithms("all_reduce")``, or
+    algorithm: "auto", "schedule" (auto among jaxcoll's schedules, never the lax
+      collective), a name from ``algorithms("all_reduce")``, or
       ``Hierarchical(per_axis)`` (over a tuple: one flat algorithm per axis).
     accumulate_dtype: e.g. "float32" for bfloat16 data: partial sums travel and
       combine in this dtype and are rounded once at the end (reduce steps send

@@ -16,6 +16,9 @@ that moves one fails there first, loudly, instead of somewhere deep in a collect
   :mod:`topology`; ``jax._src.distributed.global_state.client`` on both versions.
 - ``custom_jvp_rule``: the jaxpr of a ``custom_jvp_call``'s rule (``jvp_jaxpr_fun``), for
   ``jaxcoll.use`` to run the user's rule through its own evaluator.
+- ``source_line``, ``equation_config``: where an equation came from
+  (``jax._src.source_info_util.summarize``) and the threefry mode it was traced under
+  (``eqn.ctx``), for ``jaxcoll.use`` running a global program per device.
 - ``boot_ids``: each process's machine, from the topology jax's own backend published in
   that store (``<platform>:local_topology/<platform>/<process>``), for jobs started with
   plain ``jax.distributed.initialize``.
@@ -180,6 +183,19 @@ def custom_jvp_rule(params) -> tuple[object, list, list[bool]]:
   n = len(open_jaxpr(params["call_jaxpr"])[0].invars) - params["num_consts"]
   jaxpr, consts, out_zeros = fun.call_wrapped(*[False] * n)
   return jaxpr, list(consts), list(out_zeros)
+
+
+def source_line(eqn) -> str:
+  """Where the user's code made ``eqn`` (file:line (function)), for reports and errors."""
+  from jax._src import source_info_util
+  return source_info_util.summarize(eqn.source_info)
+
+
+def equation_config(eqn):
+  """A context that traces as ``eqn`` was traced, except for the mesh: the threefry mode
+  (random bits differ by it), which ``eqn.ctx.manager`` also sets along with the equation's
+  own abstract mesh, wrong inside a shard_map that runs it per device."""
+  return jax.threefry_partitionable(eqn.ctx.threefry_partitionable)
 
 
 def scan_counts(params) -> tuple[int, int]:

@@ -30,7 +30,7 @@ from jaxcoll._src import algorithms as algorithms_lib
 from jaxcoll._src import config as config_lib
 from jaxcoll._src import cost, debug_log
 from jaxcoll._src import topology as topology_lib
-from jaxcoll._src.algorithms import NATIVE, call_options, check_algorithm
+from jaxcoll._src.algorithms import NATIVE, SCHEDULE, call_options, check_algorithm
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.topology import Topology
 
@@ -160,6 +160,8 @@ def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],
   options = {}
   if not isinstance(algorithm, str):
     algorithm, options = algorithm.name, algorithm.options()
+  if algorithm == SCHEDULE:
+    algorithm, native_allowed = "auto", False
   if algorithm == "auto":
     if math.prod(axis_sizes) <= 1:
       return NATIVE, {}

@@ -13,6 +13,7 @@ from jaxcoll._src.algorithms import ring as _ring  # noqa: F401
 from jaxcoll._src.algorithms import trees as _trees  # noqa: F401
 from jaxcoll._src.algorithms.registry import (  # noqa: F401
     NATIVE,
+    SCHEDULE,
     Algorithm,
     algorithms,
     call_options,

@@ -22,6 +22,7 @@ from jaxcoll._src.schedule import Schedule
 from jaxcoll._src.spec import PRIMITIVES, spec
 
 NATIVE = "native"   # the jax.lax collective: no schedule of ours
+SCHEDULE = "schedule"   # "auto" among the schedules only: never the lax collective
 
 Variants = Callable[[str, tuple[int, ...]], list[tuple[str, dict]]]
 
@@ -123,10 +124,11 @@ def algorithms(primitive: str, num_axes: int | None = None) -> tuple[str, ...]:
 
 def check_algorithm(primitive: str, algorithm, *, num_axes: int | None = None,
                     argument: str = "algorithm", extra: tuple[str, ...] = ()) -> None:
-  """Raises unless ``algorithm`` is "auto", a name of ``algorithms(primitive)`` (one that runs
-  over ``num_axes`` mesh axes when given), an algorithm value (``jaxcoll.Hierarchical``:
-  ``.name`` and ``.options()``) whose name is one, or one of ``extra`` (an integration's
-  own formulations). The one check of an ``algorithm=`` argument; errors name ``argument``."""
+  """Raises unless ``algorithm`` is "auto", "schedule" (auto among the schedules), a name of
+  ``algorithms(primitive)`` (one that runs over ``num_axes`` mesh axes when given), an algorithm
+  value (``jaxcoll.Hierarchical``: ``.name`` and ``.options()``) whose name is one, or one of
+  ``extra`` (an integration's own formulations). The one check of an ``algorithm=`` argument;
+  errors name ``argument``."""
   if isinstance(algorithm, str):
     name = algorithm
   elif isinstance(getattr(algorithm, "name", None), str) and \
@@ -135,7 +137,7 @@ def check_algorithm(primitive: str, algorithm, *, num_axes: int | None = None,
   else:
     raise TypeError(f"{argument}={algorithm!r}: expected a name or an algorithm value such as "
                     "jaxcoll.Hierarchical")
-  if name == "auto" or name in extra:
+  if name in ("auto", SCHEDULE) or name in extra:
     return
   if name not in algorithms(primitive):
     raise ValueError(f"{argument}={name!r} does not apply to {primitive}; expected 'auto' or "

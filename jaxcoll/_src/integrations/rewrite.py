@@ -23,6 +23,7 @@ manual shard_map axes (``vmap``/``pmap`` axis names), and ppermutes that are not
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Mapping
 
@@ -36,16 +37,30 @@ from jaxcoll._src import compat
 from jaxcoll._src.algorithms import algorithms
 from jaxcoll._src.collectives import all_gather, all_reduce, all_to_all, reduce_scatter, shift
 from jaxcoll._src.config import config
+from jaxcoll._src.integrations import spmd
+from jaxcoll._src.integrations.placement import from_spec
 from jaxcoll._src.integrations.varying import stack, vary
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.spec import PRIMITIVES
-from jaxcoll.tools import check_choice, compresses, wire_format
+from jaxcoll.tools import (
+  NATIVE,
+  SCHEDULE,
+  ReportLine,
+  check_axis_names,
+  check_choice,
+  check_flag,
+  compresses,
+  record_at,
+  record_note,
+  wire_format,
+)
 
 
 class _Options:
   """What ``use`` was asked for: the algorithm per primitive, the wire format, the profile."""
 
-  def __init__(self, algorithm, wire_dtype, profile):
+  def __init__(self, algorithm, wire_dtype, profile, axes=None, in_shardings=None,
+               out_shardings=None, strict: bool = False):
     if isinstance(algorithm, Mapping):
       for p, a in algorithm.items():
         check_choice(p, a, "use(algorithm=...)")
@@ -61,15 +76,22 @@ class _Options:
                        "{primitive: algorithm}")
     self.wire = None if wire_dtype is None else wire_format(wire_dtype, np.float32)
     self.profile = None if profile is None else Profile.resolve(profile, "use(profile=...)")
+    self.axes = None if axes is None else check_axis_names(axes, "use(axes=...)") if axes \
+        else ()
+    self.in_shardings, self.out_shardings = in_shardings, out_shardings
+    self.in_flat = None   # the arguments' own shardings, flat (concrete arrays: rewrite)
+    self.strict = check_flag(strict, "use(strict=...)")
+    self.casts = True   # pvary as jaxcoll's vary (False inside a global program's shard_map)
 
   def algorithm_for(self, primitive: str, axes: tuple[str, ...]):
     """A name applies to each primitive that offers it (hierarchical: over two axes or more);
-    every other primitive gets "auto"."""
+    every other primitive gets "auto", or, when the name is a schedule's, "schedule" (auto
+    among the schedules: forcing a schedule keeps every collective off the lax one)."""
     if isinstance(self.algorithm, dict):
       return self.algorithm.get(primitive, "auto")
     name = self.algorithm
     if name not in algorithms(primitive, num_axes=len(axes)):
-      return "auto"
+      return "auto" if name in ("auto", NATIVE) else SCHEDULE
     return name
 
   def wire_for(self, x) -> dict:
@@ -98,6 +120,15 @@ def _manual(params, key: str = "axis_name") -> tuple[str, ...] | None:
   if not axes or not set(axes) <= manual or params.get("axis_index_groups") is not None:
     return None
   return axes
+
+
+def _left_because(params) -> str:
+  """Why a lax collective stays with XLA (:func:`_manual` gave None)."""
+  if params.get("axis_index_groups") is not None:
+    return "axis_index_groups has no jaxcoll equivalent"
+  if "perm" in params and _manual(params) is not None:
+    return "a permutation that is not a shift"
+  return "its axes are not manual shard_map axes here (vmap or pmap names)"
 
 
 # ---- lax collective -> jaxcoll collective (None: leave the equation as it is) ----
@@ -176,11 +207,12 @@ def _ppermute(opts, invals, params):
 
 def _pvary(opts, invals, params):
   """JAX's invariant-to-varying cast, as :func:`varying.vary`: its transpose (the gradient sum
-  of a replicated value) runs as jaxcoll's all_reduce."""
+  of a replicated value) runs as jaxcoll's all_reduce. Inside a global program run per
+  device (:mod:`spmd`, nothing typed) the cast is the identity."""
   axes = _manual(params, "axes")
   if axes is None:
     return None
-  return [opts.vary(x, axes) for x in invals]
+  return [opts.vary(x, axes) if opts.casts else x for x in invals]
 
 
 COLLECTIVES: dict[str, Callable] = {
@@ -354,7 +386,10 @@ def eval_jaxpr(opts: _Options, jaxpr, consts, args) -> list:
     out = None
     with eqn.ctx.manager:
       if name in COLLECTIVES:
-        out = COLLECTIVES[name](opts, invals, eqn.params)
+        with record_at(name, compat.source_line(eqn)):
+          out = COLLECTIVES[name](opts, invals, eqn.params)
+          if out is None and name != "pvary":
+            record_note(ReportLine.XLA, name, _left_because(eqn.params))
       elif name in HIGHER_ORDER:
         out = HIGHER_ORDER[name](opts, eqn, invals)
       if out is None:
@@ -372,23 +407,250 @@ def _evaluator(opts: _Options, sub) -> Callable:
 
 
 def rewrite(fun: Callable, opts: _Options) -> Callable:
-  """``fun`` traced to a jaxpr and evaluated with the rewrite rules; same pytrees in and out."""
+  """``fun`` traced to a jaxpr and evaluated with the rewrite rules; same pytrees in and out.
+
+  Called with concrete arrays laid out on a mesh, the rewritten function is compiled once
+  per layout (``jax.jit``, keyed by the arguments' shapes, dtypes and shardings), the
+  layouts becoming its ``in_shardings``: a global program needs them to run per device.
+  ``.lower(*args, **kwargs)`` lowers it as that call would run (a fresh trace)."""
+  compiled: dict = {}
+
+  def split(args, kwargs):
+    """The argument leaves, their tree, the positions of the arrays among them, the layouts
+    (:func:`_laid_out`) and the cache key."""
+    flat, in_tree = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(flat) if _is_array(x)]
+    arrays = [flat[i] for i in dynamic]
+    layouts = _laid_out(arrays) if opts.in_shardings is None and opts.axes != () else None
+    key = (in_tree, layouts, tuple((jnp.shape(x), jnp.result_type(x)) if _is_array(x) else
+                                   _static_key(x) for x in flat))
+    return flat, in_tree, dynamic, layouts, key
+
+  def jitted(flat, in_tree, dynamic, layouts):
+    given = copy.copy(opts)
+    given.in_flat = None if layouts is None else list(layouts)
+    traced = _traced(fun, given)
+    static = [None if i in dynamic else x for i, x in enumerate(flat)]   # no array kept
+
+    def call(*arrays):
+      full = list(static)
+      for i, x in zip(dynamic, arrays):
+        full[i] = x
+      a, k = jax.tree.unflatten(in_tree, full)
+      return traced(*a, **k)
+    return jax.jit(call)
+
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    flat, in_tree = jax.tree.flatten((args, kwargs))
+    flat, in_tree, dynamic, layouts, key = split(args, kwargs)
+    if layouts is None:
+      return _traced(fun, opts)(*args, **kwargs)
+    if key not in compiled:
+      compiled[key] = jitted(flat, in_tree, dynamic, layouts)
+    return compiled[key](*[flat[i] for i in dynamic])
 
-    def flat_fun(*leaves):
-      a, k = jax.tree.unflatten(in_tree, leaves)
-      return fun(*a, **k)
+  def lower(*args, **kwargs):
+    flat, in_tree, dynamic, layouts, _ = split(args, kwargs)
+    return jitted(flat, in_tree, dynamic, layouts).lower(*[flat[i] for i in dynamic])
 
-    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat)
-    with config() if opts.profile is None else config(profile=opts.profile):
-      out = eval_jaxpr(opts, closed.jaxpr, closed.consts, flat)
-    return jax.tree.unflatten(jax.tree.structure(out_shape), out)
+  wrapped.lower = lower
+  wrapped._jaxcoll_use = True   # for jaxcoll.explain_step
   return wrapped
 
 
-def use(fun: Callable | None = None, *, algorithm="auto", wire_dtype=None, profile=None):
+def _traced(fun: Callable, opts: _Options) -> Callable:
+  """``fun`` traced to a jaxpr on the caller's values and evaluated: a global program per
+  device (:mod:`spmd`), anything else with the rewrite rules."""
+  def run(*args, **kwargs):
+    flat, in_tree = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(flat) if _is_array(x)]
+    leaves = [flat[i] for i in dynamic]
+
+    def flat_fun(*values):   # leaves that are no array pass as they are (jit's static args)
+      full = list(flat)
+      for i, x in zip(dynamic, values):
+        full[i] = x
+      a, k = jax.tree.unflatten(in_tree, full)
+      return fun(*a, **k)
+
+    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*leaves)
+    out_tree = jax.tree.structure(out_shape)
+    with config() if opts.profile is None else config(profile=opts.profile):
+      global_program = _global_program(opts, closed, leaves, in_tree, dynamic, out_tree)
+      if global_program is None:
+        out = eval_jaxpr(opts, closed.jaxpr, closed.consts, leaves)
+      else:
+        mesh, manual, places, out_places = global_program
+        out = spmd.run(closed, leaves, mesh, manual, places, spmd.options_for(opts),
+                       opts.strict, out_places, _island(opts), opts.stack)
+    return jax.tree.unflatten(out_tree, out)
+  return run
+
+
+def _is_array(x) -> bool:
+  """Whether an argument leaf is traced (an array or a tracer); any other leaf (a Python
+  number, a function, a config field) is passed to the function as it is, as ``jax.jit``
+  passes its static arguments."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
+
+
+def _static_key(x):
+  try:
+    hash(x)
+    return ("static", type(x), x)
+  except TypeError:
+    return ("static", id(x))
+
+
+def _global_program(opts: _Options, closed, flat, in_tree, dynamic, out_tree):
+  """``(mesh, manual axes, input placements, output placements or None)`` when ``closed`` is
+  a global program to run per device (:mod:`spmd`): it computes on sharded values outside
+  any shard_map; None for a program of shard_maps (rewritten in place).
+
+  ``flat``: the argument leaves that are arrays, at ``dynamic`` among ``in_tree``'s.
+  Input layouts: ``use(in_shardings=)``, else a jitted function's own ``in_shardings``
+  (``use(jax.jit(step, in_shardings=...))``), else the arguments' (concrete arrays', or
+  Explicit-mode types'); output layouts: ``use(out_shardings=)``, else the jitted
+  function's, else as plain ``jit`` lays them out."""
+  if opts.axes == ():
+    return None
+  jit_in, jit_out = _jit_layouts(closed.jaxpr)
+  given_in = _flat_shardings(opts.in_shardings, in_tree, "in_shardings")
+  given_in = [given_in[i] for i in dynamic] if given_in else _merge(jit_in, opts.in_flat)
+  mesh = spmd.mesh_of(flat, given_in)
+  if mesh is None:
+    return None
+  names = tuple(mesh.axis_names)
+  if opts.axes is None:
+    if not _computes_outside_shard_map(closed.jaxpr):
+      return None
+    places = spmd.input_places(flat, names, given_in)
+    used = {a for p in places for a in p.sharded} | _shard_map_axes(closed.jaxpr)
+    manual = tuple(a for a in names if a in used and mesh.shape[a] > 1)   # 1: nothing to say
+    if not manual:
+      return None
+  else:
+    missing = [a for a in opts.axes if a not in names]
+    if missing:
+      raise ValueError(f"use(axes={opts.axes!r}): {missing[0]!r} is not an axis of the mesh "
+                       f"{names}")
+    manual = tuple(a for a in names if a in opts.axes)
+    left = sorted({a for p in spmd.input_places(flat, names, given_in) for a in p.sharded}
+                  - set(manual))
+    if left:
+      record_note(ReportLine.XLA, "partitioner", "inputs split over mesh axes use(axes=...) does "
+                  "not take: XLA's partitioner communicates over them", left)
+  places = spmd.input_places(flat, manual, given_in)
+  given_out = _flat_shardings(opts.out_shardings, out_tree, "out_shardings") or jit_out
+  out_places = None if given_out is None else [
+      from_spec(spmd.spec_of(s), len(v.aval.shape), manual) if s is not None else None
+      for s, v in zip(given_out, closed.jaxpr.outvars)]
+  return mesh, manual, places, out_places
+
+
+def _merge(first, second):
+  """Per leaf, ``first``'s sharding where it has one, else ``second``'s."""
+  if first is None or second is None:
+    return first or second
+  return [a if a is not None else b for a, b in zip(first, second)]
+
+
+def _jit_layouts(jaxpr) -> tuple[list | None, list | None]:
+  """A program that is one jitted function: the NamedShardings its ``in_shardings`` and
+  ``out_shardings`` give the program's inputs and outputs (None where unspecified)."""
+  if len(jaxpr.eqns) != 1 or jaxpr.eqns[0].primitive.name not in ("pjit", "jit"):
+    return None, None
+  eqn = jaxpr.eqns[0]
+
+  def named(s):
+    return s if isinstance(s, jax.sharding.NamedSharding) else None
+
+  ins = [None] * len(jaxpr.invars)
+  position = {v: i for i, v in enumerate(jaxpr.invars)}
+  for v, s in zip(eqn.invars, eqn.params["in_shardings"]):
+    if v in position and named(s) is not None:
+      ins[position[v]] = named(s)
+  outs = [None] * len(jaxpr.outvars)
+  made = dict(zip(eqn.outvars, eqn.params["out_shardings"]))
+  for i, v in enumerate(jaxpr.outvars):
+    outs[i] = named(made.get(v))
+  return (ins if any(ins) else None), (outs if any(outs) else None)
+
+
+def _flat_shardings(given, tree, argument: str):
+  """``given`` (NamedSharding or PartitionSpec leaves: one for all, or a pytree prefix of the
+  positional arguments, as ``jax.jit``'s ``in_shardings``, or of the outputs) flattened to
+  ``tree``'s leaves (``(args, kwargs)`` or the outputs'); None if not given."""
+  if given is None:
+    return None
+  is_leaf = lambda x: x is None or isinstance(x, (P, jax.sharding.Sharding))  # noqa: E731
+  if argument == "in_shardings" and not is_leaf(given):
+    given = (tuple(given) if isinstance(given, (tuple, list)) else (given,), None)
+  try:
+    if is_leaf(given):
+      return [given] * tree.num_leaves
+    example = jax.tree.unflatten(tree, list(range(tree.num_leaves)))
+    out = [None] * tree.num_leaves
+
+    def fill(s, sub):
+      for i in jax.tree.leaves(sub):
+        out[i] = s
+    jax.tree.map(fill, given, example, is_leaf=is_leaf)
+    return out
+  except ValueError as e:
+    raise ValueError(f"use({argument}=...): expected a pytree prefix of the "
+                     f"{'arguments (args, kwargs)' if argument == 'in_shardings' else 'outputs'}"
+                     f" with NamedSharding or PartitionSpec leaves ({e})") from None
+
+
+def _laid_out(flat) -> tuple | None:
+  """The arguments' shardings when every one is a concrete array and some is split over a
+  mesh; else None."""
+  if not flat or any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array)
+                     for x in flat):
+    return None
+  shardings = tuple(x.sharding for x in flat)
+  if not any(isinstance(s, jax.sharding.NamedSharding) and any(s.spec) for s in shardings):
+    return None
+  return shardings
+
+
+def _computes_outside_shard_map(jaxpr) -> bool:
+  """Whether a top-level equation (through nested jit) is anything but a shard_map."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("pjit", "jit"):
+      if _computes_outside_shard_map(compat.open_jaxpr(eqn.params["jaxpr"])[0]):
+        return True
+    elif eqn.primitive.name != "shard_map":
+      return True
+  return False
+
+
+def _shard_map_axes(jaxpr) -> set:
+  out = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "shard_map":
+      out |= set(eqn.params["newly_manual_axes"])
+    for sub in compat.sub_jaxprs(eqn.params):
+      if eqn.primitive.name != "shard_map":
+        out |= _shard_map_axes(compat.open_jaxpr(sub)[0])
+  return out
+
+
+def _island(opts: _Options):
+  """How a shard_map inside a global program runs: its body on the pieces, collectives
+  rewritten, JAX's casts the identity (nothing is typed there)."""
+  inside = copy.copy(opts)
+  inside.casts = False
+
+  def run(sub, values):
+    jaxpr, consts = compat.open_jaxpr(sub)
+    return eval_jaxpr(inside, jaxpr, consts, values)
+  return run
+
+
+def use(fun: Callable | None = None, *, algorithm="auto", wire_dtype=None, profile=None,
+        axes=None, in_shardings=None, out_shardings=None, strict: bool = False):
   """Runs ``fun``'s lax collectives as jaxcoll collectives (a function transformation).
 
   Every ``psum`` (and its invariant form; ``pmean`` is a psum and a divide), ``pmax``,
@@ -400,23 +662,51 @@ def use(fun: Callable | None = None, *, algorithm="auto", wire_dtype=None, profi
   cond, checkpoint/remat (the policy kept) and custom_jvp/custom_vjp functions (primal and
   rules); every other equation runs as it was.
 
+  A step written for global arrays (plain ``jax.jit`` over sharded arrays, on an Auto or
+  Explicit mesh) has no collective in its jaxpr: XLA's partitioner adds them. ``use`` runs
+  such a step per device in one ``shard_map`` over the mesh axes its inputs are split on
+  (:mod:`spmd`): each value tracked as split or a partial sum, jaxcoll collectives where a
+  layout changes, partial sums reduced late and together in buckets. Inputs are laid out as
+  the arguments are (concrete arrays' shardings, Explicit types), or as ``in_shardings`` or
+  a jitted ``fun``'s own ``in_shardings`` say; arguments that are not arrays are passed as
+  they are (a jitted function's static arguments). ``jaxcoll.explain_step`` reports what
+  runs where.
+
   Usable as ``use(f)``, ``use(f, algorithm="ring")``, ``@use`` and ``@use(algorithm=...)``.
 
   Args:
-    fun: the function (arguments: pytrees of arrays).
+    fun: the function (arguments: pytrees of arrays, and static values).
     algorithm: "auto" (the cost model, per call); a name, used by every primitive that
-      offers it ("ring": all_reduce, reduce_scatter, all_gather; the others "auto"); or a
+      offers it ("ring": all_reduce, reduce_scatter, all_gather; the others "schedule",
+      auto among jaxcoll's schedules, so that no collective stays the lax one); or a
       mapping ``{primitive: algorithm}`` (unnamed primitives: "auto").
     wire_dtype: compress every floating all_reduce, reduce_scatter and all_gather
       (``jaxcoll.WIRE_DTYPES``); None sends values as they are.
     profile: the cost model's :class:`jaxcoll.Profile` (or preset name, or profile JSON path:
       :meth:`jaxcoll.Profile.resolve`) while ``fun`` is traced; None keeps
       ``jaxcoll.config``'s.
+    axes: for a global program, the mesh axes jaxcoll takes over (the others stay with XLA's
+      partitioner, reported); None: every axis the inputs are split on; () runs no global
+      program per device.
+    in_shardings: the inputs' layouts (NamedSharding or PartitionSpec leaves; a pytree
+      prefix of ``(args, kwargs)``'s args, as ``jax.jit``'s), for abstract tracing.
+    out_shardings: the outputs' layouts (a pytree prefix of the outputs); None: as the
+      step computes them (a jitted ``fun``'s own ``out_shardings`` where it has them).
+    strict: refuse (ValueError naming the equation and its source line) an equation whose
+      split inputs have no per-device rule, instead of gathering them whole.
 
-  Collectives that XLA inserts by itself under ``jax.jit`` sharding propagation do not
-  appear in a jaxpr; write the step with ``jax.shard_map`` to make them visible.
+  Returns:
+    The function, same pytrees in and out; ``.lower(*args)`` lowers it as that call runs.
+
+  Raises:
+    ValueError: an axis not in the mesh, shardings that are no prefix of the arguments,
+      an equation refused under ``strict``. TypeError: a ``strict`` that is no bool.
+
+  Example:
+    >>> step = jaxcoll.use(train_step, algorithm="ring")   # doctest: +SKIP
+    >>> params, loss = step(params, batch)   # arrays laid out on a mesh   # doctest: +SKIP
   """
-  opts = _Options(algorithm, wire_dtype, profile)
+  opts = _Options(algorithm, wire_dtype, profile, axes, in_shardings, out_shardings, strict)
   if fun is None:
     return lambda f: rewrite(f, opts)
   return rewrite(fun, opts)

@@ -1,0 +1,116 @@
+"""How a value of a global program lies on the devices of some mesh axes: a :class:`Placement`.
+
+``jaxcoll.use`` runs a program written for global arrays (``jax.jit`` over sharded arrays)
+per device inside one shard_map (:mod:`spmd`). Every value there is one device's piece of a
+global value, and its placement says which piece, per manual mesh axis, as PyTorch's DTensor
+does (Shard, Replicate, Partial):
+
+- sharded: the axis splits one dimension of the value; the device holds its block;
+- partial: every device holds a term of a sum over the axis (the global value is the sum);
+- replicated: every device holds the whole value along the axis.
+
+A dimension may be split by several axes (major first, as in a ``PartitionSpec`` entry
+``("data", "model")``), so the block of device (i, j) is ``i * size(model) + j``, the order
+``lax.axis_index(("data", "model"))`` numbers. Pure data: no collective runs here
+(:mod:`redistribute` moves values between placements).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from jax.sharding import PartitionSpec as P
+
+Axes = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """``dims[d]``: the axes splitting dimension d (major first); ``partial``: the axes over
+  which the value is a sum of the devices' terms. Every axis at most once."""
+
+  dims: tuple[Axes, ...]
+  partial: frozenset = frozenset()
+
+  def __post_init__(self):
+    used = [a for axes in self.dims for a in axes] + sorted(self.partial)
+    if len(used) != len(set(used)):
+      raise ValueError(f"placement {self} names an axis twice")
+
+  @property
+  def ndim(self) -> int:
+    return len(self.dims)
+
+  @property
+  def sharded(self) -> frozenset:
+    """The axes that split some dimension."""
+    return frozenset(a for axes in self.dims for a in axes)
+
+  @property
+  def used(self) -> frozenset:
+    return self.sharded | self.partial
+
+  def local_shape(self, shape: Sequence[int], sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """One device's block of a value of global ``shape``."""
+    return tuple(n // math.prod(sizes[a] for a in axes) for n, axes in zip(shape, self.dims))
+
+  def global_shape(self, shape: Sequence[int], sizes: Mapping[str, int]) -> tuple[int, ...]:
+    return tuple(n * math.prod(sizes[a] for a in axes) for n, axes in zip(shape, self.dims))
+
+  def spec(self) -> P:
+    """The PartitionSpec of the non-partial part (``in_specs``/``out_specs``)."""
+    entries = [axes[0] if len(axes) == 1 else (axes or None) for axes in self.dims]
+    while entries and entries[-1] is None:
+      entries.pop()
+    return P(*entries)
+
+  def whole(self) -> Placement:
+    """The same dims, nothing partial (what a sum over the partial axes gives)."""
+    return Placement(self.dims)
+
+  def without(self, dims: Sequence[int]) -> Placement:
+    """``dims`` removed (a reduction over them); the axes that split them become partial."""
+    gone = frozenset(a for d in dims for a in self.dims[d])
+    return Placement(tuple(a for d, a in enumerate(self.dims) if d not in dims),
+                     self.partial | gone)
+
+  def replace(self, d: int, axes: Axes) -> Placement:
+    dims = list(self.dims)
+    dims[d] = tuple(axes)
+    return Placement(tuple(dims), self.partial)
+
+  def __str__(self) -> str:
+    dims = ", ".join("+".join(a) if a else "-" for a in self.dims)
+    return f"[{dims}]" + (f" partial({','.join(sorted(self.partial))})" if self.partial else "")
+
+
+@dataclasses.dataclass
+class Local:
+  """One device's piece of a value and its placement; ``var``: the jaxpr variable it is
+  the value of (None for literals and temporaries)."""
+
+  value: object
+  place: Placement
+  var: object = None
+
+
+def replicated(ndim: int) -> Placement:
+  return Placement(((),) * ndim)
+
+
+def from_spec(spec, ndim: int, manual: Sequence[str]) -> Placement:
+  """The placement of a value laid out as ``spec`` (a PartitionSpec), over the ``manual``
+  axes only (the others are left to XLA)."""
+  dims = []
+  for d in range(ndim):
+    entry = spec[d] if spec is not None and d < len(spec) else None
+    axes = entry if isinstance(entry, (tuple, list)) else (entry,) if entry else ()
+    dims.append(tuple(a for a in axes if a in manual))
+  return Placement(tuple(dims))
+
+
+def divisible(shape: Sequence[int], place: Placement, sizes: Mapping[str, int]) -> bool:
+  """Whether every split dimension of ``shape`` divides evenly into its blocks."""
+  return all(n % math.prod(sizes[a] for a in axes) == 0 for n, axes in zip(shape, place.dims))

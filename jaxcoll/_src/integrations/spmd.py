@@ -1,0 +1,369 @@
+"""A global program run per device: ``jaxcoll.use`` on ``jax.jit`` steps over sharded arrays.
+
+A step written for global arrays ("pjit style": JAX's examples, flax, MaxText) has no
+collective in its jaxpr; XLA's partitioner inserts them when it compiles, out of ``use``'s
+reach. :func:`run` instead evaluates the step's global jaxpr equation by equation inside one
+``jax.shard_map`` over the manual mesh axes, every value one device's piece with a
+:class:`Placement` (sharded, partial sum or replicated per axis), and inserts jaxcoll
+collectives where a piece must change its placement (:mod:`redistribute`): a partial sum
+that must be whole or split, a split dimension that must be whole, an axis that moves.
+
+- Input placements come from the arguments' shardings; each equation's rule
+  (:mod:`spmd_rules`) says which placements its inputs must have and what it gives.
+- Partial sums are reduced late and together: a partial value waits until some equation
+  needs it whole (or the output does); then every partial value waiting in the same scope is
+  reduced at once, in buckets (:func:`redistribute.reduce_many`). Where a sum is headed for
+  a split layout (an FSDP parameter's gradient), it is reduce-scattered to it: the layout is
+  read ahead from the equations that consume it (:meth:`Evaluator.headed_for`).
+- An equation without a rule gets its inputs whole and runs as it was (correct, and
+  reported), or, with ``strict``, is an error naming it and its source line.
+- The shard_map's ``out_specs`` must be known before its body is traced, so the body is
+  traced twice: once abstractly (``jax.eval_shape``) to learn the outputs' placements and
+  record the report, once for real. Every decision is a function of placements and the
+  program alone, so both traces make the same ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxcoll._src import compat
+from jaxcoll._src.integrations.placement import Local, Placement, from_spec, replicated
+from jaxcoll._src.integrations.redistribute import Comm, redistribute, reduce_many
+from jaxcoll._src.integrations.spmd_rules import (
+  ELEMENTWISE,
+  RULES,
+  Refused,
+  fallback,
+  keeps_partial,
+  laid_out_as_asked,
+)
+from jaxcoll.tools import ReportLine, compresses, record_at, record_note, record_paused
+
+
+@dataclasses.dataclass
+class _Scope:
+  """One jaxpr being evaluated: its values, and the partial sums waiting to be reduced."""
+
+  jaxpr: object
+  env: dict
+  pending: dict = dataclasses.field(default_factory=dict)
+  consumers: dict | None = None
+  last_use: dict | None = None
+  position: int = 0          # the equation being evaluated
+
+
+class Evaluator:
+  """Evaluates global jaxprs per device (module docstring). ``options(primitive, axes,
+  dtype)``: the collectives' keyword arguments. Each equation's collectives are recorded
+  as its (:mod:`record`)."""
+
+  def __init__(self, sizes: dict, manual: tuple[str, ...], options: Callable,
+               strict: bool = False, rewrite_island: Callable | None = None):
+    self.sizes, self.manual, self.strict = dict(sizes), tuple(manual), strict
+    self.rewrite_island = rewrite_island
+    self.scopes: list[_Scope] = []
+    self.comm = Comm(options)
+    self.where = ["-"]   # the innermost user source line (library code inside has none)
+
+  def fresh(self) -> Evaluator:
+    """An evaluator of the same mesh and options that records nothing here (an abstract
+    run of a loop body, to find its carries' placements)."""
+    return Evaluator(self.sizes, self.manual, self.comm.options, self.strict,
+                     self.rewrite_island)
+
+  # ---- evaluation ----
+
+  def run_jaxpr(self, jaxpr, consts: Sequence[Local], args: Sequence[Local],
+                targets=None) -> list:
+    """``jaxpr`` (open) on per-device ``args``. Returns the outputs' pieces (partial sums
+    among them still partial), or, given ``targets`` (placements, or a function of the
+    outputs' pieces giving them), their values moved there (the partial sums among them
+    reduced together)."""
+    scope = _Scope(jaxpr, {})
+    self.scopes.append(scope)
+    try:
+      for var, local in (*zip(jaxpr.constvars, consts), *zip(jaxpr.invars, args)):
+        self._set(scope, var, local)
+      for scope.position, eqn in enumerate(jaxpr.eqns):
+        ins = [self.read(v) for v in eqn.invars]
+        self.where.append(compat.source_line(eqn) or self.where[-1])
+        try:
+          with compat.equation_config(eqn), record_at(eqn.primitive.name, self.where[-1]):
+            outs = RULES.get(eqn.primitive.name, fallback)(self, eqn, ins)
+            outs = laid_out_as_asked(self, eqn, outs)
+        finally:
+          self.where.pop()
+        for var, out in zip(eqn.outvars, outs):
+          if not isinstance(var, jax.extend.core.DropVar):
+            self._set(scope, var, out)
+      scope.position = len(jaxpr.eqns)
+      outs = [self.read(v) for v in jaxpr.outvars]
+      if targets is None:
+        return outs
+      if callable(targets):
+        targets = targets(outs)
+      return [self.to(o, t) for o, t in zip(outs, targets)]
+    finally:
+      self.scopes.pop()
+
+  def _set(self, scope: _Scope, var, local: Local) -> None:
+    local = Local(local.value, local.place, var)
+    scope.env[var] = local
+    scope.pending.pop(var, None)
+    if local.place.partial:
+      scope.pending[var] = local
+
+  def read(self, var) -> Local:
+    if isinstance(var, jax.extend.core.Literal):
+      return Local(var.val, replicated(len(getattr(var.aval, "shape", ()))))
+    return self.scopes[-1].env[var]
+
+  def to(self, local: Local, place: Placement):
+    """``local``'s value moved to ``place``. A partial sum waiting in this scope is reduced
+    with every other one still to be read (:meth:`flush`), and its reduced value kept for
+    later reads (a partial sum read twice is reduced once)."""
+    scope = self.scopes[-1] if self.scopes else None
+    if scope is not None and local.var in scope.env:   # reduced since it was read
+      local = scope.env[local.var]
+    if local.place == place:
+      return local.value
+    if scope is None:
+      return redistribute(local.value, local.place, place, self.comm)
+    if local.place.partial - place.partial and local.var in scope.pending:
+      self.flush(scope)
+      local = scope.env[local.var]
+      if local.place == place:
+        return local.value
+    value = redistribute(local.value, local.place, place, self.comm)
+    if local.var is not None and local.var in scope.env and local.place.partial - place.partial:
+      self._set(scope, local.var, Local(value, place))
+    return value
+
+  def flush(self, scope: _Scope) -> None:
+    """Every partial sum waiting in ``scope`` that is still to be read reduced to where it is
+    headed, together."""
+    live = self._last_use(scope)
+    waiting = [(v, local) for v, local in scope.pending.items()
+               if live.get(v, -1) >= scope.position]
+    if not waiting:
+      return
+    targets = [self.headed_for(scope, var, local.place) for var, local in waiting]
+    values = reduce_many([(local.value, local.place, t) for (_, local), t in
+                          zip(waiting, targets)], self.comm)
+    for (var, _), value, target in zip(waiting, values, targets):
+      self._set(scope, var, Local(value, target))
+
+  # ---- where a partial sum is headed ----
+
+  def headed_for(self, scope: _Scope, var, place: Placement) -> Placement:
+    """The placement the sum in ``var`` will be needed in: following its consumers through
+    equations that keep it a sum of the same shape (a scale, a negation, an add of another
+    sum), the first that meets a value of known, split placement (an FSDP parameter, or its
+    optimizer state) splits it the same way; else whole (an all-reduce)."""
+    consumers = self._consumers(scope)
+    frontier, seen = [var], set()
+    while frontier:
+      v = frontier.pop(0)
+      if v in seen:
+        continue
+      seen.add(v)
+      for eqn in consumers.get(v, ()):
+        if eqn.primitive.name not in ELEMENTWISE:
+          continue
+        for other in eqn.invars:
+          if other is v or isinstance(other, jax.extend.core.Literal):
+            continue
+          known = self._known_place(scope, other)
+          if known is not None and known.ndim == place.ndim and not known.partial:
+            target = Placement(known.dims)
+            if all(not place.dims[d] or place.dims[d] == target.dims[d]
+                   for d in range(place.ndim)) and target.sharded <= place.partial | \
+                place.sharded:
+              return target
+        if keeps_partial(eqn):
+          frontier += [o for o in eqn.outvars if len(getattr(o.aval, "shape", ())) == place.ndim]
+    return place.whole()
+
+  def _known_place(self, scope: _Scope, var, depth: int = 8) -> Placement | None:
+    """``var``'s placement if computed, or read off the elementwise equation that makes it
+    from a computed value and scalars."""
+    if var in scope.env:
+      return scope.env[var].place
+    if depth == 0:
+      return None
+    producer = self._producers(scope).get(var)
+    if producer is None or producer.primitive.name not in ELEMENTWISE:
+      return None
+    ndim = len(var.aval.shape)
+    for v in producer.invars:
+      if not isinstance(v, jax.extend.core.Literal) and len(v.aval.shape) == ndim:
+        return self._known_place(scope, v, depth - 1)
+    return None
+
+  def _last_use(self, scope: _Scope) -> dict:
+    """The index of the last equation reading each variable (the jaxpr's length for its
+    outputs)."""
+    if scope.last_use is None:
+      scope.last_use = {}
+      for i, eqn in enumerate(scope.jaxpr.eqns):
+        for v in eqn.invars:
+          if not isinstance(v, jax.extend.core.Literal):
+            scope.last_use[v] = i
+      for v in scope.jaxpr.outvars:
+        if not isinstance(v, jax.extend.core.Literal):
+          scope.last_use[v] = len(scope.jaxpr.eqns)
+    return scope.last_use
+
+  def _consumers(self, scope: _Scope) -> dict:
+    if scope.consumers is None:
+      scope.consumers = {}
+      for eqn in scope.jaxpr.eqns:
+        for v in eqn.invars:
+          if not isinstance(v, jax.extend.core.Literal):
+            scope.consumers.setdefault(v, []).append(eqn)
+    return scope.consumers
+
+  def _producers(self, scope: _Scope) -> dict:
+    return {v: eqn for eqn in scope.jaxpr.eqns for v in eqn.outvars}
+
+  # ---- helpers for the rules ----
+
+  def bind(self, eqn, values, **params) -> list:
+    """``eqn``'s primitive on per-device ``values``: its params with ``params`` replacing
+    some, and no global sharding (``out_sharding``, ``sharding``: the mesh axes are manual
+    here)."""
+    merged = dict(eqn.params)
+    for key in ("out_sharding", "sharding"):
+      if key in merged:
+        merged[key] = None
+    merged.update(params)
+    out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(merged))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+  def local_shape(self, shape, place: Placement) -> tuple[int, ...]:
+    return place.local_shape(shape, self.sizes)
+
+  def splits(self, shape, place: Placement) -> bool:
+    """Whether ``place`` splits ``shape`` evenly."""
+    return all(n % math.prod(self.sizes[a] for a in axes) == 0
+               for n, axes in zip(shape, place.dims))
+
+  def note_fallback(self, eqn, reason: str) -> None:
+    if self.strict:
+      raise Refused(f"use(strict=True): {eqn.primitive.name} at {self.where[-1]} has "
+                    f"no per-device rule for these layouts ({reason}); without strict it runs "
+                    "on whole inputs (gathered)")
+    record_note(ReportLine.WHOLE, eqn.primitive.name, reason)
+
+
+def options_for(opts) -> Callable:
+  """The collectives' keyword arguments under ``use``'s options: the algorithm each primitive
+  gets, and the wire format where it compresses the data."""
+  def options(primitive: str, axes, dtype) -> dict:
+    out = {"algorithm": opts.algorithm_for(primitive, tuple(axes))}
+    if opts.wire is not None and compresses(opts.wire.name, dtype) and primitive != "all_to_all":
+      out["wire_dtype"] = opts.wire.name
+    return out
+  return options
+
+
+def input_places(leaves, manual: Sequence[str], given=None) -> list[Placement]:
+  """Each input's placement over the ``manual`` axes: from ``given`` (shardings or specs),
+  else from the array's own sharding (a concrete array's, or an Explicit-mode type's)."""
+  out = []
+  for i, x in enumerate(leaves):
+    spec = spec_of(given[i]) if given is not None and given[i] is not None else spec_of(
+        _sharding_of(x))
+    out.append(from_spec(spec, len(jnp.shape(x)), manual))
+  return out
+
+
+def _sharding_of(x):
+  sharding = getattr(x, "sharding", None)
+  if isinstance(x, jax.core.Tracer) or sharding is None:
+    try:
+      sharding = jax.typeof(x).sharding
+    except TypeError:
+      return None
+  return sharding
+
+
+def spec_of(sharding):
+  if sharding is None:
+    return None
+  if isinstance(sharding, P):
+    return sharding
+  return getattr(sharding, "spec", None)
+
+
+def mesh_of(leaves, given=None):
+  """The mesh the inputs are laid out on: a NamedSharding's (given or the arrays' own), else
+  the one ``jax.set_mesh`` set; None when there is none."""
+  for s in list(given or ()) + [_sharding_of(x) for x in leaves]:
+    mesh = getattr(s, "mesh", None)
+    if mesh is not None and getattr(mesh, "axis_names", ()):
+      return mesh
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh if getattr(mesh, "axis_names", ()) else None
+
+
+def run(closed, leaves, mesh, manual: tuple[str, ...], places: Sequence[Placement],
+        options: Callable, strict: bool = False, out_places=None,
+        rewrite_island: Callable | None = None, stack: Callable | None = None):
+  """``closed`` (a closed jaxpr of global values) on ``leaves`` placed as ``places``, per
+  device in one shard_map over ``manual``; returns the outputs, laid out as their final
+  placements (or ``out_places`` where given, a placement or None per output).
+
+  ``stack(x, mesh, axes, spec)`` (:func:`varying.stack`), where given, makes an input
+  replicated over some manual axes one copy per device of them, so that the shard_map's
+  transpose (``jax.grad`` of the result) sums nothing itself: the sum runs as the stack's
+  transpose, a jaxcoll all_reduce."""
+  sizes = {a: int(mesh.shape[a]) for a in manual}
+  learned: dict = {}
+
+  def body(stacked, *locals_):
+    ev = Evaluator(sizes, manual, options, strict, rewrite_island)
+    consts = [Local(c, replicated(jnp.ndim(c))) for c in closed.consts]
+    args = [Local(v[0] if s else v, p) for v, s, p in zip(locals_, stacked, places)]
+
+    def targets(outs):   # where the outputs fall, whole (out_places where given)
+      given = out_places or [None] * len(outs)
+      chosen = [g if g is not None else o.place.whole() for g, o in zip(given, outs)]
+      learned.update(places=chosen)
+      return chosen
+
+    return tuple(ev.run_jaxpr(closed.jaxpr, consts, args, targets))
+
+  def program(*leaves):   # under jit: a stack is a broadcast whose copies stay where they are
+    leaves, in_specs, stacked = list(leaves), [], []
+    for i, p in enumerate(places):
+      missing = tuple(a for a in manual if a not in p.sharded)
+      spec = p.spec()
+      if stack is not None and missing:
+        leaves[i] = stack(leaves[i], mesh, missing, tuple(spec))
+        spec = P(missing, *spec)
+      in_specs.append(spec)
+      stacked.append(stack is not None and bool(missing))
+    auto = set(mesh.axis_names) - set(manual)
+    kw = {"axis_names": set(manual)} if auto else {}
+
+    def probe(*locals_):
+      body(stacked, *locals_)
+      return ()
+
+    with record_paused():
+      jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=tuple(in_specs), out_specs=(),
+                                   check_vma=False, **kw), *leaves)
+    out_specs = tuple(p.spec() for p in learned["places"])
+    return jax.shard_map(functools.partial(body, stacked), mesh=mesh, in_specs=tuple(in_specs),
+                         out_specs=out_specs, check_vma=False, **kw)(*leaves)
+
+  return list(jax.jit(program)(*leaves))

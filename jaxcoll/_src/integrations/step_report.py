@@ -1,0 +1,103 @@
+"""``jaxcoll.explain_step``: every collective of a compiled step, and what runs it.
+
+A step under ``jaxcoll.use`` is lowered and compiled as its call would run it, with
+:mod:`record` collecting a line for each jaxcoll collective traced (which collective, over
+which axes, how many bytes, the algorithm that runs it, the user's equation and source line
+that needed it), each equation run on whole inputs for want of a per-device rule, and each
+lax collective or mesh axis left to XLA (and why). The compiled HLO's collective
+instructions are counted beside: after ``use`` with a schedule algorithm, the only ones
+should be ``collective-permute`` (the schedules' steps); any other is XLA's, and the lines
+say where it came from (a "native" pick of auto, an "xla" line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from jaxcoll._src.table import Table
+from jaxcoll.tools import ReportLine, format_size, recording
+
+HLO_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                   "ragged-all-to-all", "collective-broadcast", "collective-permute")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+  """What a step's communication runs as.
+
+  ``lines``: :class:`ReportLine` s in trace order; ``compiled``: how many instructions of
+  each collective kind (``HLO_COLLECTIVES``) the compiled step holds."""
+
+  lines: tuple[ReportLine, ...]
+  compiled: dict
+
+  @property
+  def collectives(self) -> tuple[ReportLine, ...]:
+    """The jaxcoll collectives (``algorithm`` "native" runs the lax collective)."""
+    return tuple(x for x in self.lines if x.kind == ReportLine.COLLECTIVE)
+
+  @property
+  def whole(self) -> tuple[ReportLine, ...]:
+    """Equations run on whole inputs (no per-device rule for their layouts)."""
+    return tuple(x for x in self.lines if x.kind == ReportLine.WHOLE)
+
+  @property
+  def left_to_xla(self) -> tuple[ReportLine, ...]:
+    """What XLA communicates for: lax collectives left as they are, axes not taken over,
+    and jaxcoll collectives auto ran as the lax collective ("native")."""
+    return tuple(x for x in self.lines if x.kind == ReportLine.XLA or x.algorithm == "native")
+
+  @property
+  def xla_collectives(self) -> int:
+    """Collective instructions of the compiled step other than collective-permute."""
+    return sum(n for k, n in self.compiled.items() if k != "collective-permute")
+
+  def table(self) -> Table:
+    rows = [(x.kind, x.what, ",".join(x.axes) or "-",
+             format_size(x.nbytes) if x.kind == ReportLine.COLLECTIVE else "-",
+             x.algorithm or "-", x.equation, x.where, x.detail) for x in self.lines]
+    counts = ", ".join(f"{n} {k}" for k, n in self.compiled.items() if n) or "none"
+    return Table.of(f"compiled step's collectives: {counts}",
+                    ("kind", "what", "axes", "bytes", "algorithm", "for", "at", "detail"),
+                    rows)
+
+  def __str__(self) -> str:
+    return str(self.table())
+
+
+def count_collectives(hlo_text: str) -> dict:
+  """How many instructions of each kind of ``HLO_COLLECTIVES`` an HLO module's text holds
+  (an asynchronous pair ``-start``/``-done`` counted once)."""
+  return {k: len(re.findall(rf"(?<![\w-]){k}(?:-start)?\(", hlo_text)) for k in HLO_COLLECTIVES}
+
+
+def explain_step(step, *args, **kwargs) -> StepReport:
+  """Compiles ``step(*args, **kwargs)`` as it would run, and says what runs every collective.
+
+  Args:
+    step: a function made by :func:`jaxcoll.use` (a pjit-style step over sharded arrays, a
+      shard_map program, or both).
+    *args, **kwargs: its arguments, as it will be called (arrays laid out on their mesh, or
+      ``jax.ShapeDtypeStruct`` s with ``sharding=``).
+
+  Returns:
+    A :class:`StepReport`: a line per jaxcoll collective (algorithm, bytes, the equation and
+    source line that needed it), per equation run whole, per thing left to XLA; and the
+    compiled HLO's collective instructions by kind.
+
+  Raises:
+    TypeError: ``step`` was not made by ``jaxcoll.use``.
+
+  Example::
+
+    report = jaxcoll.explain_step(jaxcoll.use(train_step, algorithm="ring"), params, batch)
+    print(report)            # one line per collective
+    assert report.xla_collectives == 0
+  """
+  if not callable(getattr(step, "lower", None)) or not getattr(step, "_jaxcoll_use", False):
+    raise TypeError(f"explain_step(step={step!r}): expected a function made by jaxcoll.use "
+                    "(e.g. jaxcoll.use(train_step, algorithm='ring'))")
+  with recording() as lines:
+    lowered = step.lower(*args, **kwargs)
+  return StepReport(tuple(lines), count_collectives(lowered.compile().as_text()))
