@@ -22,7 +22,8 @@ collective (:data:`NATIVE_MARGIN`), the names of the lax collective and of auto 
 schedules (:data:`NATIVE`, :data:`SCHEDULE`), meshes and their axes outside shard_map
 (:func:`mesh_shape`, :func:`axes_in_mesh`), the explanation helper
 (:func:`format_seconds`) and a step's report as it is traced (:class:`ReportLine`,
-:func:`recording`, :func:`record_paused`, :func:`record_at`, :func:`record_note`).
+:func:`recording`, :func:`record_paused`, :func:`record_at`, :func:`record_note`,
+:func:`record_in_use`).
 """
 
 from jaxcoll._src.algorithms import NATIVE, SCHEDULE, label
@@ -52,6 +53,7 @@ from jaxcoll._src.dispatch import (
 from jaxcoll._src.ops import check_op
 from jaxcoll._src.record import Line as ReportLine
 from jaxcoll._src.record import at as record_at
+from jaxcoll._src.record import in_use as record_in_use
 from jaxcoll._src.record import note as record_note
 from jaxcoll._src.record import paused as record_paused
 from jaxcoll._src.record import recording
@@ -69,5 +71,6 @@ __all__ = ("NATIVE", "NATIVE_MARGIN", "SCHEDULE", "Candidate", "CollectiveSpec",
            "check_int", "check_number", "check_op", "check_vma_enabled", "clear_caches",
            "compresses", "fit", "flat_call", "format_seconds", "format_size", "interleaved",
            "label", "make_varying", "measure", "mesh_shape", "native_equivalents", "normalize_axes",
-           "parse_size", "pick", "primitives", "profile_in_use", "record_at", "record_note",
+           "parse_size", "pick", "primitives", "profile_in_use", "record_at", "record_in_use",
+           "record_note",
            "record_paused", "recording", "spec", "varying", "wire_format")

@@ -62,8 +62,8 @@ def why(chosen, weighed, *, trusted: bool, native_allowed: bool, margin: float,
   native, *scheduled = weighed
   best = min(scheduled, key=lambda c: c.vs(native), default=native)
   if not native_allowed:
-    return (f"native not allowed (a wire format, or algorithm='schedule'); fastest "
-            f"schedule {best.label}")
+    return (f"native cannot send a wire format (or algorithm='schedule' excludes it); "
+            f"fastest schedule {best.label}")
   if not trusted:
     return (f"profile {profile_name or 'custom'} was not measured on this backend: native "
             f"kept (fastest schedule {best.label}, predicted {_ms(best.predicted_s)})")

@@ -85,11 +85,26 @@ def at(primitive: str, where: str):
     _equation.reset(token)
 
 
+_in_use: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_in_use", default=False)
+
+
+@contextlib.contextmanager
+def in_use():
+  """Lines added inside are ``jaxcoll.use``'s: logged under ``JAXCOLL_DEBUG=INFO`` (a
+  collective called directly is logged by the dispatcher alone)."""
+  token = _in_use.set(True)
+  try:
+    yield
+  finally:
+    _in_use.reset(token)
+
+
 def _add(line: Line) -> None:
   lines = _lines.get()
   if lines is not None:
     lines.append(line)
-  debug_log.log(("line", line), f"use: {line}")
+  if _in_use.get():
+    debug_log.log(("line", line), f"use: {line}")
 
 
 def collective(primitive: str, axes, nbytes: int, algorithm: str, operand: str) -> None:

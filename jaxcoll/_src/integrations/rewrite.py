@@ -51,6 +51,7 @@ from jaxcoll.tools import (
   check_flag,
   compresses,
   record_at,
+  record_in_use,
   record_note,
   wire_format,
 )
@@ -475,7 +476,7 @@ def _traced(fun: Callable, opts: _Options) -> Callable:
 
     closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*leaves)
     out_tree = jax.tree.structure(out_shape)
-    with config() if opts.profile is None else config(profile=opts.profile):
+    with config() if opts.profile is None else config(profile=opts.profile), record_in_use():
       global_program = _global_program(opts, closed, leaves, in_tree, dynamic, out_tree)
       if global_program is None:
         out = eval_jaxpr(opts, closed.jaxpr, closed.consts, leaves)
