@@ -21,6 +21,15 @@ feedback on). Across two emulated nodes on a slow link:
 
   sudo python benchmarks/emulated_cluster.py --rate 250mbit -- \
       python benchmarks/bench_grad_sync.py --child --processes 2 --step
+
+``--pjit`` times the same models written for global arrays (plain ``jax.jit`` over a batch
+split across the devices, no shard_map): plain ``jit`` against ``jaxcoll.use(step)`` (auto;
+ring; with ``--step`` also hierarchical and int8 on the wire), and for the 200-leaf model
+the shard_map step with ``sync_gradients(algorithm="ring")``:
+
+  python benchmarks/bench_grad_sync.py --pjit
+  sudo python benchmarks/emulated_cluster.py --rate 250mbit -- \
+      python benchmarks/bench_grad_sync.py --child --processes 2 --step --pjit
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ def child(args) -> int:
   import jaxcoll
   from jaxcoll import tools
 
+  if args.pjit:
+    return pjit_child(args, jax, np, jaxcoll, tools)
   if args.step:
     return step_child(args, jax, np, lax, jaxcoll, tools)
   mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -157,6 +168,94 @@ def step_child(args, jax, np, lax, jaxcoll, tools) -> int:
   return 0
 
 
+def pjit_child(args, jax, np, jaxcoll, tools) -> int:
+  """Whole training steps written for global arrays (no shard_map: plain ``jax.jit`` over
+  a batch split across the devices, parameters replicated, SGD): plain ``jax.jit`` (XLA's
+  partitioner inserts the gradient all-reduces) against ``jaxcoll.use`` of the same step,
+  and, for the 200-leaf model, against the shard_map step that syncs with
+  ``sync_gradients``. ``--step``: the 16 MiB model of 1024x1024 layers on the 2x4 mesh."""
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  rng = np.random.default_rng(0)
+  if args.step:
+    axes = ("node", "local")
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), axes)
+    layers = max(1, round(args.step_mib * 2**20 / (1024 * 1024 * 4)))
+    shapes = [(1024, 1024)] * layers
+    width = 1024
+
+    def loss(ps, xb):
+      for w in ps:
+        xb = jnp.tanh(xb @ w)
+      return jnp.mean(xb ** 2)
+  else:
+    axes = ("data",)
+    mesh = Mesh(np.array(jax.devices()), axes)
+    shapes = SHAPES
+    width = 512
+
+    def loss(ps, xb):   # every leaf's gradient a sum over the batch
+      total = 0.0
+      for w in ps:
+        if w.ndim == 1:
+          total += jnp.mean(jnp.tanh(xb[:, :w.shape[0]] * w))
+        else:
+          total += jnp.mean(jnp.tanh(xb[:, :w.shape[0]] @ w))
+      return total
+
+  def put(host, spec):
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+  params = [put((rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32), P())
+            for s in shapes]
+  x = put(rng.standard_normal((8 * 16, width)).astype(np.float32), P(axes))
+
+  def step(ps, xb):
+    grads = jax.grad(loss)(ps, xb)
+    return [w - 1e-3 * g for w, g in zip(ps, grads)]
+
+  def synced(ps, xb):   # the shard_map step: per-device gradients, then sync_gradients
+    grads = jaxcoll.sync_gradients(jax.grad(loss)(ps, xb), axes, algorithm="ring")
+    return [w - 1e-3 * g for w, g in zip(ps, grads)]
+
+  with jax.set_mesh(mesh):
+    programs = {"plain jax.jit": jax.jit(step),
+                "jaxcoll.use (auto)": jaxcoll.use(step),
+                "jaxcoll.use (ring)": jaxcoll.use(step, algorithm="ring")}
+    if args.step:
+      programs["jaxcoll.use (hierarchical)"] = jaxcoll.use(step, algorithm="hierarchical")
+      programs["jaxcoll.use (ring, int8 wire)"] = jaxcoll.use(step, algorithm="ring",
+                                                              wire_dtype="int8")
+      programs["jaxcoll.use (hierarchical, int8 wire)"] = jaxcoll.use(
+          step, algorithm="hierarchical", wire_dtype="int8")
+    else:
+      programs["shard_map + sync_gradients (ring)"] = jax.jit(jax.shard_map(
+          synced, mesh=mesh, in_specs=(P(), P(axes)), out_specs=P(), check_vma=False))
+    counts = {}
+    for name, f in programs.items():
+      text = f.lower(params, x).compile().as_text()
+      counts[name] = (len(re.findall(r"\ball-reduce(?:-start)?\(", text)),
+                      len(re.findall(r"\bcollective-permute(?:-start)?\(", text)))
+    calls = [lambda f=f: jax.block_until_ready(f(params, x)) for f in programs.values()]
+    times = tools.interleaved(calls, reps=args.reps, min_seconds=args.min_seconds)
+  med = {k: statistics.median(t) for k, t in zip(programs, times)}
+  if jax.process_index() == 0:
+    mib = sum(int(np.prod(s)) for s in shapes) * 4 / 2**20
+    print(f"{jax.process_count()} process(es), mesh {'x'.join(map(str, mesh.devices.shape))} "
+          f"{axes}, {len(shapes)} leaves, {mib:.2f} MiB of float32 gradients, pjit-style "
+          f"steps, jax {jax.__version__}; medians of {len(times[0])} interleaved rounds")
+    print("| step | all-reduces in HLO | collective-permutes in HLO | time | jit / this |")
+    print("|---|---:|---:|---:|---:|")
+    base = med["plain jax.jit"]
+    for k in programs:
+      print(f"| {k} | {counts[k][0]} | {counts[k][1]} | {med[k] * 1e3:.2f} ms | "
+            f"{base / med[k]:.2f}x |")
+  return 0
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--reps", type=int, default=10, help="fewest timed rounds")
@@ -165,6 +264,8 @@ def main(argv=None) -> int:
   parser.add_argument("--only", nargs="*", default=[], help="run the ways whose name has this")
   parser.add_argument("--step", action="store_true", help="time whole data-parallel steps")
   parser.add_argument("--step-mib", type=float, default=16.0)
+  parser.add_argument("--pjit", action="store_true",
+                      help="steps written for global arrays: jax.jit against jaxcoll.use")
   from jaxcoll.launch import benchmark
   return benchmark(parser, child, __file__, argv)
 

@@ -3,7 +3,8 @@
 Each collective's facts (:func:`spec`, :func:`primitives`), how an algorithm is labelled
 (:func:`label`) and what the lax collective is priced as (:func:`native_equivalents`),
 "auto"'s candidates and pick for one call (:func:`clear_caches` to time a first one), a
-collective on a flat per-device buffer (:func:`flat_call`), side-by-side timing
+collective on a flat per-device buffer (:func:`flat_call`), the algorithm one call would
+run (:func:`algorithm_of`), side-by-side timing
 (:func:`interleaved`), calibration's two halves (:func:`measure`, :func:`fit`), and byte
 sizes as people write them (:func:`parse_size`, :func:`format_size`). ``jaxcoll-bench``
 (:mod:`jaxcoll.bench`) and ``benchmarks/`` use
@@ -39,7 +40,7 @@ from jaxcoll._src.checks import flag as check_flag
 from jaxcoll._src.checks import floating as check_floating
 from jaxcoll._src.checks import integer as check_int
 from jaxcoll._src.checks import number as check_number
-from jaxcoll._src.collectives import flat_call
+from jaxcoll._src.collectives import algorithm_of, flat_call
 from jaxcoll._src.config import check_choice
 from jaxcoll._src.cost import clear_caches, native_equivalents
 from jaxcoll._src.dispatch import (
@@ -65,7 +66,7 @@ from jaxcoll._src.units import format_seconds, format_size, parse_size
 from jaxcoll._src.wire import compresses, wire_format
 
 __all__ = ("NATIVE", "NATIVE_MARGIN", "SCHEDULE", "Candidate", "CollectiveSpec", "Measurements",
-           "ReportLine", "auto_label",
+           "ReportLine", "algorithm_of", "auto_label",
            "axes_in_mesh", "axis_size", "axis_sizes", "candidates", "check_accumulate",
            "check_algorithm", "check_axis_names", "check_choice", "check_flag", "check_floating",
            "check_int", "check_number", "check_op", "check_vma_enabled", "clear_caches",

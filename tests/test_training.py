@@ -63,6 +63,21 @@ def test_sync_gradients_equals_per_leaf_pmean(bucket_bytes, first, check_vma):
                                rtol=1e-6, atol=atol)
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_a_native_bucket_is_not_packed_in_one_process(check_vma):
+  """Where a bucket's all_reduce is the lax collective (one process), the leaves go to it
+  as they are: no concatenate, no slices, values equal per-leaf pmean's."""
+  tree = mixed_tree(8)
+  sync = lambda t: jaxcoll.sync_gradients(t, AXIS, algorithm="native")  # noqa: E731
+  jaxpr = jax.make_jaxpr(per_device(sync, check_vma=check_vma))(tree)
+  assert "concatenate" not in str(jaxpr)
+  got = per_device(sync, check_vma=check_vma)(tree)
+  want = per_device(lambda t: jax.tree.map(lambda v: lax.pmean(v, AXIS), t),
+                    check_vma=check_vma)(tree)
+  chex.assert_trees_all_equal_dtypes(got, want)
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_sync_gradients_sum_on_a_registered_dataclass_and_an_optax_state():
   params = {"w": np.ones((8, 4), np.float32)}
   state = jax.tree.map(lambda v: np.stack([v] * 8), optax.adam(1.0).init(

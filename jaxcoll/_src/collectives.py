@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import math
 
 import jax
 import jax.numpy as jnp
@@ -60,10 +61,9 @@ def _replicated(y, axes, *, typed: bool = True):
 _scopes: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_scopes", default=None)
 
 
-def _resolve(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None):
-  """The algorithm and schedule options for leaf ``x`` whose message is M = ``nbytes``;
-  the rest of the leaf's trace runs under ``jax.named_scope("jaxcoll.<primitive>.<algo>")``
-  (:func:`_map_leaves` holds the scope)."""
+def _decide(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None):
+  """``(algorithm, schedule options, call description)`` for leaf ``x`` whose message is
+  M = ``nbytes``: "auto" resolved (:func:`dispatch.resolve`, the one decision)."""
   scale = ops.partial_sum_scale(x.dtype, accumulate)
   sizes = axes_lib.sizes(axes)
   compressed = wire is not None and np.prod(sizes) > 1
@@ -76,6 +76,13 @@ def _resolve(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None):
   if compressed and algo == NATIVE:
     raise ValueError(f"algorithm={NATIVE!r} (the jax.lax collective) cannot send "
                      f"wire_dtype={wire.name!r}; use a schedule, e.g. 'ring', or 'auto'")
+  return algo, options, call
+
+
+def _resolve(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None):
+  """:func:`_decide`, recorded (:mod:`record`); the rest of the leaf's trace runs under
+  ``jax.named_scope("jaxcoll.<primitive>.<algo>")`` (:func:`_map_leaves` holds the scope)."""
+  algo, options, call = _decide(primitive, algorithm, axes, x, nbytes, accumulate, wire)
   record.collective(primitive, axes, x.nbytes, algo, call)
   scopes = _scopes.get()
   if scopes is not None:
@@ -184,6 +191,32 @@ def _collective(primitive: str, x, axis_name, algorithm, *, native, finish, op=N
     return _straight_through(run, x, fmt, linear=op in (None, "sum", "mean"))
 
   return _map_leaves(leaf, x)
+
+
+def algorithm_of(primitive: str, x, axis_name, *, algorithm="auto", op: str | None = None,
+                 accumulate_dtype=None, wire_dtype=None) -> str:
+  """The algorithm a call of ``primitive`` on one array ``x`` (or its ``ShapeDtypeStruct``)
+  over ``axis_name`` runs, inside shard_map: ``algorithm`` with "auto" (and "schedule")
+  resolved exactly as the call resolves it. Nothing is traced or recorded. An integration
+  asks before it packs values for a collective (a lax collective needs no packing).
+
+  Args:
+    primitive: a collective of ``jaxcoll.PRIMITIVES``.
+    x: the operand, or its shape and dtype.
+    axis_name, algorithm, op, accumulate_dtype, wire_dtype: as the collective takes them.
+
+  Returns:
+    The algorithm's name ("native" for the lax collective).
+  """
+  facts = spec_lib.spec(primitive)
+  axes = axes_lib.normalize(axis_name)
+  x = jax.ShapeDtypeStruct(np.shape(x), jnp.int32 if x.dtype == bool and op in ("sum", "mean")
+                           else x.dtype)
+  acc = checks.accumulate(accumulate_dtype, x.dtype) if facts.reduces else None
+  fmt = _wire(wire_dtype, x.dtype, wire_lib.DEFAULT_BLOCK_SIZE, acc) if facts.wire else None
+  nbytes = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+  return _decide(primitive, algorithm, axes, x, facts.message_bytes(nbytes, axes_lib.size(axes)),
+                 accumulate=acc, wire=fmt)[0]
 
 
 def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",

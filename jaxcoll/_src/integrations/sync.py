@@ -25,6 +25,8 @@ import numpy as np
 from jaxcoll._src.collectives import all_reduce
 from jaxcoll._src.integrations import buckets
 from jaxcoll.tools import (
+  NATIVE,
+  algorithm_of,
   check_algorithm,
   check_floating,
   check_int,
@@ -75,11 +77,24 @@ def check_options(op: str, bucket_bytes, first_bucket_bytes, algorithm, wire_dty
 
 def _reduce_bucket(bucket: buckets.Bucket, leaves, out, axis_name, op, algorithm, wire_dtype,
                    accumulate_dtype) -> None:
+  """One all_reduce of the bucket's leaves packed in one buffer; where that all_reduce is
+  the lax collective and the job is one process, the leaves go to it as they are (XLA
+  combines them into one all-reduce itself, and packing would copy every byte twice: 24 MiB
+  over 8 CPU devices 54 ms unpacked, 201 ms packed). Across processes the packed buffer
+  stays: gloo runs a combined all-reduce one operand at a time (the 200-leaf model's 200
+  operands: 1.09 s against 61 ms for one ring bucket)."""
   floating = jnp.issubdtype(bucket.dtype, jnp.floating)
-  synced = all_reduce(
-      buckets.pack(bucket, leaves), axis_name, op=op, algorithm=algorithm,
-      wire_dtype=wire_dtype if compresses(wire_dtype, bucket.dtype) else None,
-      accumulate_dtype=accumulate_dtype if floating else None)
+  options = dict(op=op, accumulate_dtype=accumulate_dtype if floating else None,
+                 wire_dtype=wire_dtype if compresses(wire_dtype, bucket.dtype) else None)
+  packed = jax.ShapeDtypeStruct((sum(bucket.sizes),), bucket.dtype)
+  if jax.process_count() == 1 and algorithm_of("all_reduce", packed, axis_name,
+                                                algorithm=algorithm, **options) == NATIVE:
+    synced = all_reduce([leaves[i] for i in bucket.leaves], axis_name, algorithm=NATIVE,
+                        **options)
+    for i, value in zip(bucket.leaves, synced):
+      out[i] = value
+    return
+  synced = all_reduce(buckets.pack(bucket, leaves), axis_name, algorithm=algorithm, **options)
   buckets.unpack(bucket, synced, out)
 
 
