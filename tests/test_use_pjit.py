@@ -316,3 +316,20 @@ def test_debug_log_lists_the_report_lines(monkeypatch, caplog):
   logged = "\n".join(r.getMessage() for r in caplog.records)
   for line in report.collectives:
     assert f"use: {line}" in logged, (line, logged)
+
+
+def test_sums_run_over_the_mesh_axes_outer_first():
+  """A sum over two mesh axes names them in the mesh's order (outer first), so a
+  hierarchical all-reduce crosses the outer (slow) axis with the smallest pieces."""
+  mesh = make_mesh((2, 4), ("node", "local"))
+  params, batch = models.init_model(jax.random.key(0), [32, 16, 8], 16)
+  params, batch = put(params, mesh, P()), put(batch, mesh, P(("node", "local")))
+  with jax.set_mesh(mesh):
+    want = jax.jit(models.notebook_step)(params, batch)
+    used = jaxcoll.use(models.notebook_step, algorithm="hierarchical")
+    got = used(params, batch)
+    report = jaxcoll.explain_step(used, params, batch)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+  sums = [x for x in report.collectives if x.what == "all_reduce"]
+  assert sums and {x.axes for x in sums} == {("node", "local")}, report
+  assert {x.algorithm for x in sums} == {"hierarchical"}, report

@@ -26,11 +26,20 @@ from jaxcoll._src.integrations.sync import BUCKET_BYTES, sync_gradients
 @dataclasses.dataclass(frozen=True)
 class Comm:
   """How the collectives run: ``options(primitive, axes, dtype)`` gives their keyword
-  arguments (algorithm, wire format)."""
+  arguments (algorithm, wire format); ``order``: the mesh's axes, outer first."""
 
   options: Callable[[str, Axes, object], dict]
+  order: Axes = ()
+
+  def ordered(self, axes) -> Axes:
+    """``axes`` in the mesh's order (outer first: a hierarchical all-reduce crosses the
+    outer axis with the smallest pieces)."""
+    return tuple(a for a in self.order if a in axes) + tuple(
+        sorted(a for a in axes if a not in self.order))
 
   def run(self, fn, primitive: str, x, axes: Axes, **kwargs):
+    if primitive == "all_reduce":   # a sum's axes in any order: the mesh's
+      axes = self.ordered(axes)
     return fn(x, axes, **kwargs, **self.options(primitive, axes, x.dtype))
 
 
@@ -72,7 +81,7 @@ def redistribute(x, src: Placement, dst: Placement, comm: Comm):
       axes = dst.dims[d][len(src.dims[d]):]
       return comm.run(reduce_scatter, "reduce_scatter", x, axes, scatter_dimension=d,
                       tiled=True)
-    x = comm.run(all_reduce, "all_reduce", x, tuple(sorted(reduced)))
+    x = comm.run(all_reduce, "all_reduce", x, tuple(reduced))
     src = Placement(src.dims, src.partial - reduced)
   added = dst.partial - src.partial
   dims = list(src.dims)
@@ -91,7 +100,7 @@ def redistribute(x, src: Placement, dst: Placement, comm: Comm):
       x = _slice(x, d, extra)
       dims[d] = dst.dims[d]
   if added:
-    x = _to_partial(x, tuple(sorted(added)))
+    x = _to_partial(x, comm.ordered(added))
   return x
 
 
@@ -123,7 +132,7 @@ def reduce_many(items: Sequence[tuple[object, Placement, Placement]], comm: Comm
     reduced = src.partial - dst.partial
     d = _scatter_dim(src, dst, reduced) if reduced else None
     if reduced and src.dims == dst.dims and not dst.partial - src.partial:
-      summed.setdefault((tuple(sorted(reduced)),), []).append(i)
+      summed.setdefault((comm.ordered(reduced),), []).append(i)
     elif d is not None and src.dims[d] == () and not dst.partial - src.partial:
       scattered.setdefault((dst.dims[d], jnp.dtype(x.dtype)), []).append(i)
     else:

@@ -70,7 +70,7 @@ class Evaluator:
     self.sizes, self.manual, self.strict = dict(sizes), tuple(manual), strict
     self.rewrite_island = rewrite_island
     self.scopes: list[_Scope] = []
-    self.comm = Comm(options)
+    self.comm = Comm(options, self.manual)
     self.where = ["-"]   # the innermost user source line (library code inside has none)
 
   def fresh(self) -> Evaluator:
