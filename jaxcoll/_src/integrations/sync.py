@@ -40,6 +40,7 @@ from jaxcoll.tools import (
 
 BUCKET_BYTES = 25 * 2**20       # DDP's bucket_cap_mb=25
 FIRST_BUCKET_BYTES = 2**20      # DDP's first bucket (1 MB), so the first reduce starts early
+UNPACKED_LEAF_BYTES = 2**16     # a lax all-reduce's leaves this large (mean) are not packed
 
 
 def _check_leaves(tree, axes, op: str, argument: str) -> list:
@@ -78,17 +79,19 @@ def check_options(op: str, bucket_bytes, first_bucket_bytes, algorithm, wire_dty
 def _reduce_bucket(bucket: buckets.Bucket, leaves, out, axis_name, op, algorithm, wire_dtype,
                    accumulate_dtype) -> None:
   """One all_reduce of the bucket's leaves packed in one buffer; where that all_reduce is
-  the lax collective and the job is one process, the leaves go to it as they are (XLA
-  combines them into one all-reduce itself, and packing would copy every byte twice: 24 MiB
-  over 8 CPU devices 54 ms unpacked, 201 ms packed). Across processes the packed buffer
-  stays: gloo runs a combined all-reduce one operand at a time (the 200-leaf model's 200
-  operands: 1.09 s against 61 ms for one ring bucket)."""
+  the lax collective, the job is one process and the leaves are large (at least
+  ``UNPACKED_LEAF_BYTES`` on average), the leaves go to it as they are: XLA combines them
+  into one all-reduce itself, and packing would copy every byte twice (8 CPU devices, 36
+  leaves of 1 MiB: 54 ms unpacked, 201 ms packed; 200 leaves averaging 25 KiB: 65 ms
+  unpacked, 40 ms packed). Across processes the packed buffer stays: gloo runs a combined
+  all-reduce one operand at a time (200 operands: 1.09 s against 61 ms for one bucket)."""
   floating = jnp.issubdtype(bucket.dtype, jnp.floating)
   options = dict(op=op, accumulate_dtype=accumulate_dtype if floating else None,
                  wire_dtype=wire_dtype if compresses(wire_dtype, bucket.dtype) else None)
   packed = jax.ShapeDtypeStruct((sum(bucket.sizes),), bucket.dtype)
-  if jax.process_count() == 1 and algorithm_of("all_reduce", packed, axis_name,
-                                                algorithm=algorithm, **options) == NATIVE:
+  large = bucket.nbytes >= UNPACKED_LEAF_BYTES * len(bucket.leaves)
+  if large and jax.process_count() == 1 and algorithm_of(
+      "all_reduce", packed, axis_name, algorithm=algorithm, **options) == NATIVE:
     synced = all_reduce([leaves[i] for i in bucket.leaves], axis_name, algorithm=NATIVE,
                         **options)
     for i, value in zip(bucket.leaves, synced):
