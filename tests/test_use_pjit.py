@@ -333,3 +333,20 @@ def test_sums_run_over_the_mesh_axes_outer_first():
   sums = [x for x in report.collectives if x.what == "all_reduce"]
   assert sums and {x.axes for x in sums} == {("node", "local")}, report
   assert {x.algorithm for x in sums} == {"hierarchical"}, report
+
+
+@pytest.mark.parametrize("name", ["argmax", "argmin", "cumsum", "cummax", "one_hot",
+                                  "log_softmax", "top_k"])
+def test_reductions_and_scans_over_the_split_dimension(name):
+  """Over the dimension the devices split: argmax/argmin combine each device's best with
+  its global index; cumulative ops and top_k see the whole dimension; one_hot and
+  log_softmax of split rows stay per device. Equal to jit, nothing run whole."""
+  fns = {"argmax": lambda x: jnp.argmax(x, axis=0), "argmin": lambda x: jnp.argmin(x, axis=1),
+         "cumsum": lambda x: jnp.cumsum(x, axis=0), "cummax": lambda x: jax.lax.cummax(x, 1),
+         "one_hot": lambda x: jax.nn.one_hot(jnp.argmax(x, axis=1), 8) * x,
+         "log_softmax": lambda x: jax.nn.log_softmax(x, axis=0),
+         "top_k": lambda x: jax.lax.top_k(x.T, 3)[0]}
+  mesh = make_mesh((4, 2), ("data", "model"))
+  x = put(jax.random.normal(jax.random.key(0), (16, 8)), mesh, P("data", "model"))
+  report = assert_like_jit(fns[name], x, mesh=mesh)
+  assert not report.whole, report

@@ -399,7 +399,8 @@ def _expand_dims(ev, eqn, ins):
 
 def _whole_along(params_dims, linear: bool):
   """An equation that runs locally once ``params_dims(eqn)`` of its first operand are whole
-  (it cuts, reverses or scans across them); partial sums pass when ``linear``."""
+  (it cuts, reverses or scans across them); partial sums pass when ``linear``. A result
+  shaped as the operand is split back as the operand was (a local slice), as jit keeps it."""
   def rule(ev, eqn, ins):
     x, *rest = ins
     dims = params_dims(eqn)
@@ -408,8 +409,11 @@ def _whole_along(params_dims, linear: bool):
       target = Placement(target.dims, x.place.partial)
     values = [ev.to(x, target)] + [ev.to(r, replicated(r.place.ndim)) for r in rest]
     out = ev.bind(eqn, values)
-    return [Local(o, Placement(target.dims, target.partial) if _ndim(o) == target.ndim else
-                  replicated(_ndim(o))) for o in out]
+    same = Placement(x.place.dims, target.partial)   # a result shaped as x: split back
+    return [Local(ev.to(Local(o, target), same), same)
+            if v.aval.shape == eqn.invars[0].aval.shape and same != target else
+            Local(o, target if _ndim(o) == target.ndim else replicated(_ndim(o)))
+            for o, v in zip(out, eqn.outvars)]
   return rule
 
 
