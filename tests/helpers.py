@@ -10,6 +10,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXIS = "x"
+LAX_COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin", "all_gather",
+                             "all_gather_invariant", "reduce_scatter", "psum_scatter",
+                             "all_to_all"})
 
 
 def mesh(n: int) -> Mesh:
@@ -51,6 +54,21 @@ def iter_eqns(jaxpr, mult: int = 1):
       for j in (v if isinstance(v, (tuple, list)) else (v,)):
         if hasattr(j, "eqns") or hasattr(getattr(j, "jaxpr", None), "eqns"):
           yield from iter_eqns(j, inner)
+
+
+def eqns(jaxpr):
+  """Every equation of a jaxpr and of all its sub-jaxprs (cond branches, loops included)."""
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+    yield eqn
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+          yield from eqns(sub)
+
+
+def primitives(jaxpr) -> set[str]:
+  """The names of every primitive in a jaxpr and its sub-jaxprs."""
+  return {e.primitive.name for e in eqns(jaxpr)}
 
 
 def ppermute_bytes_per_rank(jaxpr, n: int) -> np.ndarray:
@@ -144,3 +162,18 @@ def numpy_reference(primitive, xs, root, op="sum"):
   if primitive == "broadcast":
     return [xs[root]] * n
   return [total if r == root else np.zeros_like(total) for r in range(n)]
+
+
+def assert_like_jit_with_permutes_only(got, want, report, tol: float = 1e-5) -> None:
+  """A step under ``jaxcoll.use`` (``got``; ``report``: its ``jaxcoll.explain_step``)
+  against plain ``jax.jit``'s (``want``): values within ``tol``, the same output shardings,
+  a compiled step whose only collectives are the schedules' collective-permutes, nothing
+  run on whole inputs, no collective left to the lax one."""
+  import chex
+  chex.assert_trees_all_close(got, want, rtol=tol, atol=tol)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.sharding.is_equivalent_to(w.sharding, g.ndim), (g.sharding, w.sharding)
+  assert report.xla_collectives == 0, report
+  assert report.compiled["collective-permute"] > 0, report
+  assert not report.whole, report
+  assert "native" not in {x.algorithm for x in report.collectives}, report

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import LAX_COLLECTIVES, eqns, primitives
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -16,25 +17,10 @@ from jaxcoll._src.integrations.rewrite import shift_of
 
 pytestmark = pytest.mark.quick   # reads jaxprs: runs on every supported jax (.ci/run)
 
-LAX_COLLECTIVES = {"psum", "psum_invariant", "pmax", "pmin", "all_gather",
-                   "all_gather_invariant", "reduce_scatter", "all_to_all"}
 FORCED = {"all_reduce": "ring", "reduce_scatter": "ring", "all_gather": "ring",
           "all_to_all": "direct", "shift": "direct"}
 MESH = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
 
-
-def eqns(jaxpr):
-  """Every equation of a jaxpr and of all its sub-jaxprs (cond branches included)."""
-  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-    yield eqn
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, (tuple, list)) else (v,):
-        if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-          yield from eqns(sub)
-
-
-def primitives(jaxpr) -> list[str]:
-  return [e.primitive.name for e in eqns(jaxpr)]
 
 
 def cv_psum(v):
@@ -187,7 +173,7 @@ def test_nested_shard_map():
   x = inputs(5)
   g = jaxcoll.use(f, algorithm=FORCED)
   chex.assert_trees_all_close(jax.jit(g)(x), jax.jit(f)(x), rtol=1e-5, atol=1e-5)
-  names = primitives(jax.make_jaxpr(g)(x))
+  names = [e.primitive.name for e in eqns(jax.make_jaxpr(g)(x))]
   assert names.count("shard_map") == 2 and not LAX_COLLECTIVES & set(names)
 
 

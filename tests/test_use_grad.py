@@ -26,26 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import LAX_COLLECTIVES, primitives
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcoll
 
 pytestmark = pytest.mark.quick   # reads jaxprs: on every supported jax
-
-LAX_COLLECTIVES = {"psum", "psum_invariant", "pmax", "pmin", "all_gather",
-                   "all_gather_invariant", "reduce_scatter", "all_to_all"}
-
-
-def primitives(jaxpr) -> set[str]:
-  out = set()
-  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-    out.add(eqn.primitive.name)
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, (tuple, list)) else (v,):
-        if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-          out |= primitives(sub)
-  return out
 
 
 # ---- jax-ml/jax docs/notebooks/shard_map.md, "Neural networks" (unchanged) ----

@@ -17,16 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pjit_models as models
 import pytest
+from helpers import LAX_COLLECTIVES, assert_like_jit_with_permutes_only, primitives
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcoll
 
 pytestmark = pytest.mark.quick   # reads jaxprs: on every supported jax
-
-LAX_COLLECTIVES = {"psum", "psum_invariant", "pmax", "pmin", "all_gather",
-                   "all_gather_invariant", "reduce_scatter", "psum_scatter", "all_to_all"}
-
 
 def make_mesh(shape, names, explicit: bool = False):
   types = (AxisType.Explicit if explicit else AxisType.Auto,) * len(shape)
@@ -49,13 +46,7 @@ def assert_like_jit(step, *args, mesh, tol=1e-5, **use_kwargs):
     used = jaxcoll.use(step, algorithm="ring", **use_kwargs)
     got = used(*args)
     report = jaxcoll.explain_step(used, *args)
-  chex.assert_trees_all_close(got, want, rtol=tol, atol=tol)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    assert g.sharding.is_equivalent_to(w.sharding, g.ndim), (g.sharding, w.sharding)
-  assert report.xla_collectives == 0, report
-  assert report.compiled["collective-permute"] > 0, report
-  assert not report.whole, report
-  assert "native" not in {x.algorithm for x in report.collectives}, report
+  assert_like_jit_with_permutes_only(got, want, report, tol)
   return report
 
 
@@ -155,16 +146,6 @@ def test_grad_of_use_holds_no_lax_collective():
   assert not LAX_COLLECTIVES & primitives(jaxpr)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
-
-def primitives(jaxpr) -> set[str]:
-  out = set()
-  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-    out.add(eqn.primitive.name)
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, (tuple, list)) else (v,):
-        if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-          out |= primitives(sub)
-  return out
 
 
 # ---- layouts given to use, taken from a jitted function, axes left to XLA ----
