@@ -56,9 +56,6 @@ class Placement:
     """One device's block of a value of global ``shape``."""
     return tuple(n // math.prod(sizes[a] for a in axes) for n, axes in zip(shape, self.dims))
 
-  def global_shape(self, shape: Sequence[int], sizes: Mapping[str, int]) -> tuple[int, ...]:
-    return tuple(n * math.prod(sizes[a] for a in axes) for n, axes in zip(shape, self.dims))
-
   def spec(self) -> P:
     """The PartitionSpec of the non-partial part (``in_specs``/``out_specs``)."""
     entries = [axes[0] if len(axes) == 1 else (axes or None) for axes in self.dims]
@@ -75,11 +72,6 @@ class Placement:
     gone = frozenset(a for d in dims for a in self.dims[d])
     return Placement(tuple(a for d, a in enumerate(self.dims) if d not in dims),
                      self.partial | gone)
-
-  def replace(self, d: int, axes: Axes) -> Placement:
-    dims = list(self.dims)
-    dims[d] = tuple(axes)
-    return Placement(tuple(dims), self.partial)
 
   def __str__(self) -> str:
     dims = ", ".join("+".join(a) if a else "-" for a in self.dims)
@@ -109,8 +101,3 @@ def from_spec(spec, ndim: int, manual: Sequence[str]) -> Placement:
     axes = entry if isinstance(entry, (tuple, list)) else (entry,) if entry else ()
     dims.append(tuple(a for a in axes if a in manual))
   return Placement(tuple(dims))
-
-
-def divisible(shape: Sequence[int], place: Placement, sizes: Mapping[str, int]) -> bool:
-  """Whether every split dimension of ``shape`` divides evenly into its blocks."""
-  return all(n % math.prod(sizes[a] for a in axes) == 0 for n, axes in zip(shape, place.dims))

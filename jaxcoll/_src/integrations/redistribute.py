@@ -12,7 +12,6 @@ packed the same way), never one collective per value.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
@@ -21,6 +20,7 @@ from jax import lax
 from jaxcoll._src.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from jaxcoll._src.integrations.placement import Axes, Placement
 from jaxcoll._src.integrations.sync import BUCKET_BYTES, sync_gradients
+from jaxcoll.tools import axis_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ def _ordered(axes, order: Axes) -> Axes:
 
 def _slice(x, d: int, axes: Axes):
   """This device's block of dimension d, split over ``axes`` (major first)."""
-  size = math.prod(lax.axis_size(a) for a in axes)
+  size = axis_size(axes)
   block = x.shape[d] // size
   return lax.dynamic_slice_in_dim(x, lax.axis_index(axes) * block, block, d)
 
@@ -166,7 +166,7 @@ def _scatter_together(items, axes: Axes, comm: Comm) -> list:
   """One reduce-scatter over ``axes`` of every value's scattered dimension: each value with
   that dimension first, as ``[n, -1]`` (n the devices of ``axes``), concatenated along the
   second dimension; this device's row is split back."""
-  n = math.prod(lax.axis_size(a) for a in axes)
+  n = axis_size(axes)
   rows, shapes = [], []
   for x, src, dst in items:
     d = _scatter_dim(src, dst, src.partial - dst.partial)

@@ -241,7 +241,8 @@ def _shard_map(opts, eqn, invals):
   if not p["check_vma"]:
     names = tuple(p["mesh"].axis_names)
     for i, (x, spec) in enumerate(zip(invals, in_specs)):
-      missing = tuple(a for a in names if a in manual and a not in _mentioned(spec))
+      named = from_spec(spec, len(spec), manual).sharded
+      missing = tuple(a for a in names if a in manual and a not in named)
       if missing:
         invals[i] = opts.stack(x, p["mesh"], missing, tuple(spec))
         in_specs[i], stacked[i] = P(missing, *spec), True
@@ -251,14 +252,6 @@ def _shard_map(opts, eqn, invals):
 
   return jax.shard_map(run, mesh=p["mesh"], in_specs=tuple(in_specs), out_specs=out_specs,
                        check_vma=p["check_vma"], axis_names=set(manual))(*invals)
-
-
-def _mentioned(spec) -> set:
-  """The mesh axes a PartitionSpec names."""
-  out = set()
-  for entry in spec:
-    out |= set(entry) if isinstance(entry, (tuple, list)) else {entry} if entry else set()
-  return out
 
 
 def _jit(opts, eqn, invals):

@@ -56,6 +56,7 @@ class _Scope:
   env: dict
   pending: dict = dataclasses.field(default_factory=dict)
   consumers: dict | None = None
+  producers: dict | None = None
   last_use: dict | None = None
   position: int = 0          # the equation being evaluated
 
@@ -232,7 +233,9 @@ class Evaluator:
     return scope.consumers
 
   def _producers(self, scope: _Scope) -> dict:
-    return {v: eqn for eqn in scope.jaxpr.eqns for v in eqn.outvars}
+    if scope.producers is None:
+      scope.producers = {v: eqn for eqn in scope.jaxpr.eqns for v in eqn.outvars}
+    return scope.producers
 
   # ---- helpers for the rules ----
 
@@ -251,10 +254,13 @@ class Evaluator:
   def local_shape(self, shape, place: Placement) -> tuple[int, ...]:
     return place.local_shape(shape, self.sizes)
 
+  def count(self, axes) -> int:
+    """How many devices ``axes`` span."""
+    return math.prod(self.sizes[a] for a in axes)
+
   def splits(self, shape, place: Placement) -> bool:
     """Whether ``place`` splits ``shape`` evenly."""
-    return all(n % math.prod(self.sizes[a] for a in axes) == 0
-               for n, axes in zip(shape, place.dims))
+    return all(n % self.count(axes) == 0 for n, axes in zip(shape, place.dims))
 
   def note_fallback(self, eqn, reason: str) -> None:
     if self.strict:

@@ -36,8 +36,6 @@ its shape parameters made local, and returns the outputs' pieces with their plac
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,7 +123,7 @@ def _join_dims(ev, places, shape, taken=frozenset()) -> tuple:
     chosen = ()
     for p in places:
       axes = p.dims[d] if d < p.ndim else ()
-      if axes and not used & set(axes) and n % int(np.prod([ev.sizes[a] for a in axes])) == 0:
+      if axes and not used & set(axes) and n % ev.count(axes) == 0:
         chosen = axes
         break
     used |= set(chosen)
@@ -220,13 +218,13 @@ def _dot_general(ev, eqn, ins):
   order = [a for p in (L, R) for axes in p.dims for a in axes] + sorted(L.partial | R.partial)
   axes = list(dict.fromkeys(order))
   piece_l, piece_r = _local_bytes(ev, lvar, L), _local_bytes(ev, rvar, R)
-  involved = int(np.prod([ev.sizes[a] for a in axes]))
+  involved = ev.count(axes)
   out_piece = float(np.prod(ovar.aval.shape)) * ovar.aval.dtype.itemsize / involved
   ldims, rdims = [[] for _ in lshape], [[] for _ in rshape]
   keep_l, keep_r, summed = set(), set(), set()
 
   def fits(dims, shape, d, n):
-    return d is None or shape[d] % (int(np.prod([ev.sizes[a] for a in dims[d]])) * n) == 0
+    return d is None or shape[d] % (ev.count(dims[d]) * n) == 0
 
   for a in axes:
     n = ev.sizes[a]
@@ -340,7 +338,7 @@ def _reshape(ev, eqn, ins):
       axes = src_dims[i]
       if not axes:
         continue
-      n = int(np.prod([ev.sizes[a] for a in axes]))
+      n = ev.count(axes)
       if i == major_i and o1 > o0 and dst_shape[major_o] % n == 0 and not dims[major_o]:
         dims[major_o] = axes      # the major block of the group stays a contiguous block
       else:
@@ -529,7 +527,7 @@ def _gather(ev, eqn, ins):
   for o, d in zip(rest, batch):
     out_dims[o] = idims[d]
   out = ev.bind(eqn, values, slice_sizes=tuple(   # a batching dimension's slice stays 1
-      s // int(np.prod([ev.sizes[a] for a in odims[d]]))
+      s // ev.count(odims[d])
       if odims[d] and d not in dn.operand_batching_dims else s
       for d, s in enumerate(slice_sizes)))
   return [Local(out[0], Placement(tuple(out_dims), operand.place.partial))]
@@ -543,7 +541,7 @@ def _batching_pairs(ev, op: Placement, ix: Placement, oshape, used: set, op_dims
   out = []
   for od, idim in zip(op_dims, ix_dims):
     axes = op.dims[od] or ix.dims[idim]
-    if axes and not used & set(axes) and oshape[od] % math.prod(ev.sizes[a] for a in axes) == 0:
+    if axes and not used & set(axes) and oshape[od] % ev.count(axes) == 0:
       out.append((od, idim, axes))
       used |= set(axes)
   return out
