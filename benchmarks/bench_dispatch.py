@@ -62,8 +62,11 @@ def child(args) -> int:
   flat = list(jaxcoll.algorithms(args.primitive, num_axes=1))
   picks, median, predicted = {}, {}, {}
   for s in sizes:
-    weighed = tools.candidates(args.primitive, axes, (2, 4), s, profile)
-    pick = picks[s] = tools.pick(weighed)
+    decision = tools.decide(tools.Call.of(args.primitive, axes, (2, 4), s),
+                            pricing=tools.Pricing.of(axes, (2, 4), profile=profile,
+                                                     mesh_shape=dict(mesh.shape)))
+    pick = picks[s] = decision.chosen
+    weighed = decision.candidates
     hier = (jaxcoll.Hierarchical(dict(pick.options)["per_axis"])
             if pick.algorithm == jaxcoll.Hierarchical.name else jaxcoll.Hierarchical())
     algos = {a: a for a in flat if a != jaxcoll.Hierarchical.name}

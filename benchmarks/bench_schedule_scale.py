@@ -5,7 +5,7 @@ seconds to build it (``jaxcoll.schedule``, uncached; steps of a run and chunk ro
 when first read, so this is mostly what pricing pays) and to run it in the NumPy simulator
 on one float32 per chunk and rank (which makes every step and row). Then, for meshes of up
 to 16,384 devices and every collective, the seconds auto takes to choose at trace time
-(every candidate built and priced: ``jaxcoll.tools.candidates`` and ``pick``, the first
+(every candidate built and priced: ``jaxcoll.tools.decide``, the first
 call in a fresh process, caches cleared between repetitions) for a 64 MiB message over
 every axis of the mesh, how many candidates it weighed, and the peak memory NumPy allocated
 meanwhile (tracemalloc, in a pass of its own). Median of ``--reps``.
@@ -88,9 +88,8 @@ def time_auto(primitive: str, shape: tuple[int, ...], reps: int) -> tuple[int, f
 
   def choose():
     jaxcoll.tools.clear_caches()
-    weighed = jaxcoll.tools.candidates(primitive, names, shape, 64 << 20, profile)
-    jaxcoll.tools.pick(weighed, trusted=True)
-    return weighed
+    return jaxcoll.tools.decide(jaxcoll.tools.Call(primitive, names, shape, 64 << 20),
+                                pricing=jaxcoll.tools.Pricing(profile)).candidates
 
   took, weighed = seconds(choose, reps)
   tracemalloc.start()

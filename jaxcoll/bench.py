@@ -246,14 +246,16 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
         host = (np.arange(devices * count).reshape(devices, count) % 7
                 + np.arange(devices)[:, None] % 3).astype(dt)
       x = jax.device_put(host, sharding)
-      candidates = tools.candidates(op, axes, axis_sizes, nbytes, prof)
+      pricing = tools.Pricing.of(axes, axis_sizes, profile=prof, mesh_shape=dict(mesh.shape))
+      decision = tools.decide(tools.Call.of(op, axes, axis_sizes, nbytes), pricing=pricing,
+                              weigh=True)
       keys, labels, runs = [], [], {}   # what each row runs: (candidate label, wire)
       for a in algorithms:
         key = label = a
         if not isinstance(a, str):   # an algorithm value
           key = label = a.label(op, len(axes))
         elif a == "auto":
-          key = tools.auto_label(op, axes, axis_sizes, nbytes, prof, weighed=candidates)
+          key = decision.label
           label = f"auto -> {key}"
         elif a != NATIVE:   # its default variant, as auto names it: hierarchical(ring,ring)
           key = tools.label(op, a, len(axes))
@@ -285,7 +287,7 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
             errors[k] = _relative_error(_local(f(x)), want)
           else:
             wrong[k] = _count_wrong(_local(f(x)), want)
-      weighed = {c.label: c.predicted_s for c in candidates}
+      weighed = {c.label: c.predicted_s for c in decision.candidates}
       measured = []
       for key, label in zip(keys, labels):
         med = statistics.median(times[key])

@@ -2,7 +2,9 @@
 
 Each collective's facts (:func:`spec`, :func:`primitives`), how an algorithm is labelled
 (:func:`label`) and what the lax collective is priced as (:func:`native_equivalents`),
-"auto"'s candidates and pick for one call (:func:`clear_caches` to time a first one), a
+what one call runs and why, the one decision "auto" makes (:func:`decide` of a
+:class:`Call` under a :class:`Pricing`: its :class:`Decision`; :func:`clear_caches` to time
+a first one), a
 collective on a flat per-device buffer (:func:`flat_call`), the algorithm one call would
 run (:func:`algorithm_of`), side-by-side timing
 (:func:`interleaved`), calibration's two halves (:func:`measure`, :func:`fit`), and byte
@@ -45,10 +47,11 @@ from jaxcoll._src.config import check_choice
 from jaxcoll._src.cost import clear_caches, native_equivalents
 from jaxcoll._src.dispatch import (
     NATIVE_MARGIN,
+    Call,
     Candidate,
-    auto_label,
-    candidates,
-    pick,
+    Decision,
+    Pricing,
+    decide,
     profile_in_use,
 )
 from jaxcoll._src.ops import check_op
@@ -65,13 +68,54 @@ from jaxcoll._src.timing import interleaved
 from jaxcoll._src.units import format_seconds, format_size, parse_size
 from jaxcoll._src.wire import compresses, wire_format
 
-__all__ = ("NATIVE", "NATIVE_MARGIN", "SCHEDULE", "Candidate", "CollectiveSpec", "Measurements",
-           "ReportLine", "algorithm_of", "auto_label",
-           "axes_in_mesh", "axis_size", "axis_sizes", "candidates", "check_accumulate",
-           "check_algorithm", "check_axis_names", "check_choice", "check_flag", "check_floating",
-           "check_int", "check_number", "check_op", "check_vma_enabled", "clear_caches",
-           "compresses", "fit", "flat_call", "format_seconds", "format_size", "interleaved",
-           "label", "make_varying", "measure", "mesh_shape", "native_equivalents", "normalize_axes",
-           "parse_size", "pick", "primitives", "profile_in_use", "record_at", "record_in_use",
-           "record_note",
-           "record_paused", "recording", "spec", "varying", "wire_format")
+__all__ = (
+    "NATIVE",
+    "NATIVE_MARGIN",
+    "SCHEDULE",
+    "Candidate",
+    "CollectiveSpec",
+    "Measurements",
+    "Call",
+    "Decision",
+    "Pricing",
+    "ReportLine",
+    "algorithm_of",
+    "axes_in_mesh",
+    "axis_size",
+    "axis_sizes",
+    "check_accumulate",
+    "check_algorithm",
+    "check_axis_names",
+    "check_choice",
+    "check_flag",
+    "check_floating",
+    "check_int",
+    "check_number",
+    "check_op",
+    "check_vma_enabled",
+    "clear_caches",
+    "compresses",
+    "decide",
+    "fit",
+    "flat_call",
+    "format_seconds",
+    "format_size",
+    "interleaved",
+    "label",
+    "make_varying",
+    "measure",
+    "mesh_shape",
+    "native_equivalents",
+    "normalize_axes",
+    "parse_size",
+    "primitives",
+    "profile_in_use",
+    "record_at",
+    "record_in_use",
+    "record_note",
+    "record_paused",
+    "recording",
+    "spec",
+    "varying",
+    "wire_format",
+)

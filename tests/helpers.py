@@ -177,3 +177,60 @@ def assert_like_jit_with_permutes_only(got, want, report, tol: float = 1e-5) -> 
   assert report.compiled["collective-permute"] > 0, report
   assert not report.whole, report
   assert "native" not in {x.algorithm for x in report.collectives}, report
+
+
+def auto_disagreements(mesh: Mesh, profile, *, primitives=("all_reduce", "all_gather",
+                                                            "reduce_scatter"),
+                       sizes=(1 << 10, 1 << 16, 1 << 22)) -> list[str]:
+  """Where what auto runs in a traced call (its algorithm and the debug log's line),
+  ``jaxcoll.explain`` and ``jaxcoll.bench.run`` (which bench_dispatch's path shares) name
+  different things, over ``mesh``'s axes together and each alone: the one decision seen
+  from each of its readers (empty when they agree)."""
+  import logging
+
+  import jaxcoll
+  import jaxcoll.bench
+  from jaxcoll._src import debug_log
+
+  lines: list[str] = []
+  handler = logging.Handler()
+  handler.emit = lambda record: lines.append(record.getMessage())
+  logger = logging.getLogger("jaxcoll")
+  logger.addHandler(handler)
+  out = []
+  try:
+    for axes in (tuple(mesh.axis_names), *((a,) for a in mesh.axis_names)):
+      n = math.prod(dict(mesh.shape)[a] for a in axes)
+      for primitive in primitives:
+        for nbytes in sizes:
+          length = int(jaxcoll.spec(primitive).input_bytes(nbytes, n)) // 4
+          explained = jaxcoll.explain(primitive, jax.ShapeDtypeStruct((length,), np.float32),
+                                      mesh, axes, profile).chosen
+          traced = {}
+
+          def body(v, primitive=primitive, axes=axes, traced=traced):
+            traced["algorithm"] = jaxcoll.tools.algorithm_of(primitive, v[0], axes)
+            return call(primitive, v[0], axes, "auto")[None]
+
+          debug_log._seen.clear()   # noqa: SLF001 (each distinct line is logged once)
+          del lines[:]
+          spec = P(mesh.axis_names)
+          with jaxcoll.config(profile=profile, mesh=mesh, debug=True):
+            jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)).lower(
+                jax.ShapeDtypeStruct((math.prod(mesh.devices.shape), length), np.float32,
+                                     sharding=NamedSharding(mesh, spec)))
+          logged = [line.split("): ", 1)[1].split(" (")[0].split(",")[0] for line in lines]
+          benched = None
+          if axes == tuple(mesh.axis_names):
+            with jaxcoll.config(mesh=mesh):
+              row, = jaxcoll.bench.run(primitive, [nbytes], ["auto"], mesh=mesh, axes=axes,
+                                       iters=1, warmup=0, profile=profile)
+            benched = row.algorithm.removeprefix("auto -> ")
+          seen = {"explain": explained, "debug log": logged[0] if logged else None,
+                  "bench": benched or explained}
+          if len(set(seen.values())) != 1 or explained.split("(")[0] != traced["algorithm"]:
+            out.append(f"{primitive} {nbytes} B over {axes}: {seen}, traced call runs "
+                       f"{traced['algorithm']}")
+  finally:
+    logger.removeHandler(handler)
+  return out

@@ -119,6 +119,12 @@ def topology() -> None:
   assert given == mine       # on the CPU every device is a gloo endpoint: the order is moot
   why = jaxcoll.explain("all_reduce", jax.ShapeDtypeStruct((4096,), np.float32), flat, "x")
   assert why.links == "host, process-major", why.links
+  # one decision: a traced call, explain, the debug log and jaxcoll-bench name the same pick
+  # under a profile that holds cross-process lax times ("cpu": its "host" span)
+  from tests.helpers import auto_disagreements
+  two = Mesh(devices.reshape(2, 4), ("process", "local"))
+  disagree = auto_disagreements(two, "cpu")
+  assert not disagree, "\n".join(disagree)
   print(f"rank {jax.process_index()}: topology ok", flush=True)
 
 

@@ -216,3 +216,72 @@ def test_readme_s_install_command_installs_what_every_example_imports():
         root = name.split(".")[0]
         if root not in sys.stdlib_module_names:
           assert root in installed, f"{example.name} imports {root}, not installed by {command}"
+
+
+# ------------------------------------------------------------------ one decision, one compat
+
+PRICING_TO_PICK = {"candidates", "pick", "choose", "predict", "predict_native",
+                   "schedule_times"}
+DECIDES = {"jaxcoll._src.dispatch", "jaxcoll._src.cost"}
+
+
+def _pricing_calls(path: pathlib.Path) -> set[str]:
+  """Which of ``PRICING_TO_PICK`` ``path`` reaches: imported by name from the cost model or
+  dispatch (or ``jaxcoll.tools``), or read as ``cost.X`` / ``dispatch.X`` / ``tools.X``."""
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").endswith(
+        ("dispatch", "cost", "tools")):
+      out |= {a.name for a in node.names} & PRICING_TO_PICK
+    elif isinstance(node, ast.Attribute) and node.attr in PRICING_TO_PICK and \
+        isinstance(node.value, (ast.Name, ast.Attribute)) and \
+        (getattr(node.value, "id", None) or getattr(node.value, "attr", "")) in (
+            "cost", "dispatch", "tools"):
+      out.add(node.attr)
+  return out
+
+
+def test_the_reader_sees_pricing_calls():
+  assert {"candidates", "pick"} <= _pricing_calls(REPO / "tests" / "test_dispatch.py")
+
+
+@pytest.mark.parametrize("path", [*(p for n, p in MODULES.items() if n not in DECIDES),
+                                  *OUTSIDE], ids=lambda p: p.relative_to(REPO).as_posix())
+def test_auto_is_decided_in_one_function(path):
+  """What auto runs is computed by ``dispatch.decide`` alone: every other module (the
+  collectives, explain, the debug log, jaxcoll-bench, the benchmarks) asks it, and none
+  prices candidates to pick one itself (issue: the benchmarks' copy left out topology)."""
+  assert not _pricing_calls(path), f"{path.name} prices to pick: {sorted(_pricing_calls(path))}"
+
+
+def _jax_private(path: pathlib.Path) -> list[str]:
+  """``jax._src`` (or any ``_``-named part of a jax module path) imported or read."""
+  out = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    names = []
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      names = [node.module or ""]
+    elif isinstance(node, ast.Attribute):
+      parts, value = [node.attr], node.value
+      while isinstance(value, ast.Attribute):
+        parts.insert(0, value.attr)
+        value = value.value
+      if isinstance(value, ast.Name) and value.id == "jax":
+        names = [".".join(["jax", *parts])]
+    out += [f"line {node.lineno}: {n}" for n in names
+            if n.split(".")[0] in ("jax", "jaxlib")
+            and any(part.startswith("_") for part in n.split(".")[1:])]
+  return out
+
+
+def test_the_reader_sees_private_jax_names():
+  assert any("jax._src" in n for n in _jax_private(ROOT / "_src" / "compat.py"))
+
+
+@pytest.mark.parametrize("path", [p for n, p in MODULES.items() if n != "jaxcoll._src.compat"],
+                         ids=lambda p: p.relative_to(REPO).as_posix())
+def test_private_jax_names_only_in_compat(path):
+  """Every private jax name lives in ``compat.py`` (tested there on both versions)."""
+  assert not _jax_private(path), _jax_private(path)

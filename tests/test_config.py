@@ -245,3 +245,60 @@ def test_configuration_is_read_when_a_function_is_traced():
   assert ppermutes(ring) > 0                             # and keeps the ring after the block
   assert ppermutes(fresh()) == 0
   np.testing.assert_array_equal(got, np.broadcast_to(x.sum(0), x.shape))
+
+
+def test_a_plain_call_inside_a_block_outlives_it_and_the_block_still_wins_inside():
+  before = config_lib.current()
+  try:
+    with jaxcoll.config(profile="dcn", algorithm={"all_reduce": "ring"}):
+      jaxcoll.config(profile="tpu-v5p-ici", algorithm={"all_gather": "bruck"})
+      assert config_lib.current().profile.name == "dcn"                 # the block's own field
+      assert config_lib.override("all_gather") == "bruck"               # the plain call's
+      assert config_lib.override("all_reduce") == "ring"
+    assert config_lib.current().profile.name == "tpu-v5p-ici"           # kept after the block
+    assert config_lib.override("all_gather") == "bruck"
+    assert config_lib.override("all_reduce") is None
+  finally:
+    config_lib._global = before   # noqa: SLF001 (this test's own undo)
+  assert config_lib.current() == before
+
+
+def test_a_block_is_seen_by_its_own_thread_only_and_a_plain_call_by_every_thread():
+  import threading
+  inside, seen = threading.Event(), {}
+  release = threading.Event()
+
+  def worker():
+    with jaxcoll.config(algorithm={"reduce": "binomial_tree"}):
+      seen["worker"] = config_lib.override("reduce")
+      inside.set()
+      release.wait(10)
+    seen["worker after"] = config_lib.override("reduce")
+
+  t = threading.Thread(target=worker)
+  t.start()
+  assert inside.wait(10)
+  seen["main"] = config_lib.override("reduce")   # while the worker is inside its block
+  release.set()
+  t.join(10)
+  assert seen == {"worker": "binomial_tree", "main": None, "worker after": None}
+
+  setting = jaxcoll.config(algorithm={"reduce": "binomial_tree"})
+  try:
+    got = []
+    t = threading.Thread(target=lambda: got.append(config_lib.override("reduce")))
+    t.start()
+    t.join(10)
+    assert got == ["binomial_tree"]
+  finally:
+    setting.__exit__(None, None, None)
+
+
+def test_the_environment_is_parsed_once_per_value(monkeypatch):
+  config_lib._parse_env.cache_clear()   # noqa: SLF001
+  monkeypatch.setenv(ENV, "all_reduce=ring")
+  for _ in range(3):
+    assert config_lib.env_algorithms() == {"all_reduce": "ring"}
+  assert config_lib._parse_env.cache_info().misses == 1   # noqa: SLF001
+  monkeypatch.setenv(ENV, "all_reduce=recursive_doubling")
+  assert config_lib.override("all_reduce") == "recursive_doubling"

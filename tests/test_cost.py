@@ -260,7 +260,7 @@ def test_override_precedence(monkeypatch):
   ring = Profile(links={"*": Link(0.0, 1.0)},   # prices native (no measurements) as NCCL's ring
                  native=(jaxcoll.NativeTimes("all_reduce", (4,), (1.0,), (1e-12,)),))
   resolve = lambda algorithm="auto": dispatch.resolve(
-      "all_reduce", algorithm, axis_names=(AXIS,), axis_sizes=(4,), nbytes=1 << 20)[0]
+      dispatch.Call("all_reduce", (AXIS,), (4,), 1 << 20), algorithm)[0]
   with jaxcoll.config(profile=ring):
     assert resolve() == "native"
     monkeypatch.setenv("JAXCOLL_ALGORITHM", "all_reduce=recursive_doubling,all_gather=bruck")
@@ -295,10 +295,10 @@ def test_override_errors_name_the_source(monkeypatch):
     jaxcoll.config(profile="nvlink9")
   monkeypatch.setenv("JAXCOLL_ALGORITHM", "all_reduce=tree")
   with pytest.raises(ValueError, match="JAXCOLL_ALGORITHM.*'tree'"):
-    dispatch.resolve("all_reduce", "auto", axis_names=(AXIS,), axis_sizes=(4,), nbytes=64)
+    dispatch.resolve(dispatch.Call("all_reduce", (AXIS,), (4,), 64), "auto")
   monkeypatch.setenv("JAXCOLL_ALGORITHM", "ring")
   with pytest.raises(ValueError, match="primitive=algorithm"):
-    dispatch.resolve("all_reduce", "auto", axis_names=(AXIS,), axis_sizes=(4,), nbytes=64)
+    dispatch.resolve(dispatch.Call("all_reduce", (AXIS,), (4,), 64), "auto")
 
 
 def test_profile_errors_and_json_round_trip(tmp_path):

@@ -18,6 +18,7 @@ import jaxcoll
 from jaxcoll._src import config as config_lib
 from jaxcoll._src import cost, dispatch
 from jaxcoll._src.profile import PRESET_NAMES, Profile
+from tests import helpers
 
 HIERARCHICAL = [p for p in jaxcoll.PRIMITIVES if "hierarchical" in jaxcoll.algorithms(p)]
 FLAT = ("x",), (8,)
@@ -35,8 +36,13 @@ def _no_environment(monkeypatch):
 
 def resolve(primitive, algorithm="auto", shape=FLAT, nbytes=1 << 20, **kw):
   names, sizes = shape
-  return dispatch.resolve(primitive, algorithm, axis_names=names, axis_sizes=sizes,
-                          nbytes=nbytes, **kw)
+  return dispatch.resolve(dispatch.Call(primitive, names, sizes, nbytes, **kw), algorithm)
+
+
+def auto_label(primitive, names, sizes, nbytes, profile, *, native_allowed=True):
+  """What auto runs for the call, as explain and the benchmarks name it (one process)."""
+  call = dispatch.Call(primitive, names, sizes, nbytes, native_allowed=native_allowed)
+  return dispatch.decide(call, pricing=dispatch.Pricing(profile)).label
 
 
 def trusted_copy(preset: str, **changes) -> Profile:
@@ -200,7 +206,7 @@ def test_auto_on_one_device_is_native_under_any_profile(primitive):
       for shape in ((("x",), (1,)), (("a", "b"), (1, 1))):
         for native_allowed in (True, False):
           assert resolve(primitive, shape=shape, native_allowed=native_allowed) == ("native", {})
-        assert dispatch.auto_label(primitive, *shape, 1 << 20,
+        assert auto_label(primitive, *shape, 1 << 20,
                                    dispatch.profile_in_use()) == "native"
 
 
@@ -209,7 +215,7 @@ def test_an_override_precedes_native_on_one_device(primitive):
   name = jaxcoll.algorithms(primitive, num_axes=1)[0]
   with jaxcoll.config(algorithm={primitive: name}):
     assert resolve(primitive, shape=(("x",), (1,))) == (name, {})
-    assert dispatch.auto_label(primitive, ("x",), (1,), 64, dispatch.profile_in_use()) == name
+    assert auto_label(primitive, ("x",), (1,), 64, dispatch.profile_in_use()) == name
 
 
 def test_overrides_are_applied_most_specific_first(monkeypatch):
@@ -235,7 +241,7 @@ def test_untrusted_presets_keep_native_unless_it_is_not_allowed(primitive, name)
         best = min(weighed[1:], key=lambda c: c.predicted_s)
         got = resolve(primitive, shape=shape, nbytes=nbytes, native_allowed=False)
         assert got == (best.algorithm, dict(best.options))
-        assert dispatch.auto_label(primitive, *shape, nbytes, Profile.preset(name),
+        assert auto_label(primitive, *shape, nbytes, Profile.preset(name),
                                    native_allowed=False) == best.label
 
 
@@ -352,7 +358,7 @@ def test_auto_label_names_what_resolve_runs(primitive):
       for shape in (FLAT, TWO_AXES):
         for nbytes in NBYTES:
           profile = dispatch.profile_in_use()
-          label = dispatch.auto_label(primitive, *shape, nbytes, profile)
+          label = auto_label(primitive, *shape, nbytes, profile)
           got = resolve(primitive, shape=shape, nbytes=nbytes)
           assert got == resolve(primitive, shape=shape, nbytes=nbytes)   # pure
           match = [c for c in dispatch.candidates(primitive, *shape, nbytes, profile)
@@ -366,3 +372,12 @@ def test_a_hierarchical_override_for_a_primitive_without_it_is_rejected():
   with pytest.raises(ValueError, match=r"hierarchical.*broadcast"):
     with jaxcoll.config(algorithm={"broadcast": jaxcoll.Hierarchical()}):
       resolve("broadcast", shape=TWO_AXES)
+
+
+@pytest.mark.quick
+def test_the_decision_is_one_for_calls_explain_the_log_and_the_bench():
+  """One process: what a traced call runs, explain, the debug log and jaxcoll-bench agree
+  (tests/mp_worker.py checks the same across two processes, under both launch modes)."""
+  mesh = jax.make_mesh((2, 4), ("node", "local"))
+  assert helpers.auto_disagreements(mesh, trusted_copy("cpu")) == []
+  assert helpers.auto_disagreements(mesh, "cpu") == []

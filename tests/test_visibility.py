@@ -64,7 +64,7 @@ def test_overrides_and_wire_formats_say_why(log):
     program(lambda v: jaxcoll.all_gather(v, "x"), rows(64))
   program(lambda v: jaxcoll.all_reduce(v, "x", wire_dtype="int8"), rows(4096))
   override, wire = log()
-  assert override == ("all_gather float32[64] over x: bruck (overridden by jaxcoll.config / "
+  assert override == ("all_gather float32[64] over x (8): bruck (overridden by jaxcoll.config / "
                       "JAXCOLL_ALGORITHM)")
   assert wire.startswith("all_reduce float32[4096] wire int8 over x")
   assert "native cannot send a wire format" in wire

@@ -63,20 +63,18 @@ _scopes: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_scopes", defau
 
 def _decide(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None):
   """``(algorithm, schedule options, call description)`` for leaf ``x`` whose message is
-  M = ``nbytes``: "auto" resolved (:func:`dispatch.resolve`, the one decision)."""
-  scale = ops.partial_sum_scale(x.dtype, accumulate)
+  M = ``nbytes``: "auto" resolved (:func:`dispatch.decide`, the one decision)."""
   sizes = axes_lib.sizes(axes)
   compressed = wire is not None and np.prod(sizes) > 1
-  call = f"{x.dtype.name}[{','.join(map(str, x.shape))}]" + (f" wire {wire.name}" if compressed
-                                                               else "")
-  algo, options = dispatch.resolve(
-      primitive, algorithm, axis_names=axes, axis_sizes=sizes,
-      nbytes=nbytes * wire.ratio(x.dtype) if compressed else nbytes,
-      partial_sum_scale=scale, native_allowed=not compressed, call=call)
+  description = f"{x.dtype.name}[{','.join(map(str, x.shape))}]" + (
+      f" wire {wire.name}" if compressed else "")
+  call = dispatch.Call.of(primitive, axes, sizes, nbytes, x.dtype, accumulate=accumulate,
+                          wire=wire, description=description)
+  algo, options = dispatch.resolve(call, algorithm)
   if compressed and algo == NATIVE:
     raise ValueError(f"algorithm={NATIVE!r} (the jax.lax collective) cannot send "
                      f"wire_dtype={wire.name!r}; use a schedule, e.g. 'ring', or 'auto'")
-  return algo, options, call
+  return algo, options, description
 
 
 def _resolve(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None):

@@ -52,29 +52,6 @@ def _handler() -> None:
   logger.propagate = False
 
 
-def _ms(s: float) -> str:
-  return f"{s * 1e3:.3g} ms"
-
-
-def why(chosen, weighed, *, trusted: bool, native_allowed: bool, margin: float,
-        profile_name: str) -> str:
-  """The reason auto ran ``chosen`` out of ``weighed`` (native first), in words."""
-  native, *scheduled = weighed
-  best = min(scheduled, key=lambda c: c.vs(native), default=native)
-  if not native_allowed:
-    return (f"native cannot send a wire format (or algorithm='schedule' excludes it); "
-            f"fastest schedule {best.label}")
-  if not trusted:
-    return (f"profile {profile_name or 'custom'} was not measured on this backend: native "
-            f"kept (fastest schedule {best.label}, predicted {_ms(best.predicted_s)})")
-  ratio = 1 / max(best.vs(native), 1e-30)
-  placed = "" if not best.elsewhere_s else " under every placement of the hosts"
-  if chosen is native:
-    return (f"fastest schedule {best.label} predicted {_ms(best.predicted_s)}, {ratio:.2f}x "
-            f"native's speed{placed}; a schedule must be {margin:g}x faster")
-  return f"{ratio:.2f}x faster than native{placed}; a schedule must be {margin:g}x faster"
-
-
 def log(key: tuple, message: str) -> None:
   """Logs ``message`` once per ``key`` when enabled."""
   if not enabled() or key in _seen:
@@ -84,25 +61,20 @@ def log(key: tuple, message: str) -> None:
   logger.info(message)
 
 
-def choice(primitive: str, call: str, axis_names, axis_sizes, chosen, weighed, profile,
-           topo, *, trusted: bool, native_allowed: bool, margin: float) -> None:
-  """Logs what auto chose for one traced call (module docstring)."""
-  if not enabled():
+def decision(d) -> None:
+  """Logs what one traced call runs and why (:class:`dispatch.Decision`; module docstring)."""
+  if not enabled() or (d.chosen is None and not d.overridden):   # an explicit algorithm=
     return
-  shape = "x".join(map(str, axis_sizes))
-  others = {c.label: c.predicted_s for c in weighed}
-  reason = why(chosen, weighed, trusted=trusted, native_allowed=native_allowed, margin=margin,
-               profile_name=profile.name)
-  log((primitive, call, tuple(axis_names), tuple(axis_sizes), chosen.label, profile.name,
-       topo.label),
-      f"{primitive} {call} over {','.join(axis_names)} ({shape}; links {topo.label}): "
-      f"{chosen.label}, predicted {_ms(chosen.predicted_s)}"
-      + ("" if chosen.label == NATIVE else f", native {_ms(others[NATIVE])}")
-      + f" ({reason}), profile {profile.name or 'custom'}")
-
-
-def override(primitive: str, call: str, axis_names, algorithm: str) -> None:
-  """Logs an algorithm "auto" was overridden to (``jaxcoll.config`` / ``JAXCOLL_ALGORITHM``)."""
-  log((primitive, call, tuple(axis_names), algorithm),
-      f"{primitive} {call} over {','.join(axis_names)}: {algorithm} (overridden by "
-      f"jaxcoll.config / {config_lib.ENV_ALGORITHM})")
+  call = d.call
+  shape = "x".join(map(str, call.axis_sizes))
+  where = f"{call.primitive} {call.description} over {','.join(call.axis_names)} ({shape}"
+  if d.chosen is None:
+    log((call, d.label), f"{where}): {d.label} ({d.reason})")
+    return
+  native = d.candidates[0].predicted_s
+  pricing = d.pricing
+  log((call, d.label, pricing.profile.name, pricing.topology.label),
+      f"{where}; links {pricing.topology.label}): {d.label}, predicted "
+      f"{d.chosen.predicted_s * 1e3:.3g} ms"
+      + ("" if d.label == NATIVE else f", native {native * 1e3:.3g} ms")
+      + f" ({d.reason}), profile {pricing.profile.name or 'custom'}")

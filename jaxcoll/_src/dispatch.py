@@ -25,6 +25,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 from jaxcoll._src import algorithms as algorithms_lib
 from jaxcoll._src import config as config_lib
@@ -117,64 +118,180 @@ def trusted(profile: Profile) -> bool:
 
 def choose(primitive, axis_names, axis_sizes, nbytes, profile, *, partial_sum_scale=1.0,
            native_allowed: bool = True, topology: Topology | None = None):
-  """The candidate auto picks (:func:`pick` of every candidate)."""
+  """The candidate the model picks (:func:`pick` of every candidate), overrides aside."""
   return pick(candidates(primitive, axis_names, axis_sizes, nbytes, profile,
                          partial_sum_scale=partial_sum_scale, topology=topology),
               native_allowed=native_allowed, trusted=trusted(profile))
 
 
-def auto_label(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[int],
-               nbytes: float, profile: Profile, *, partial_sum_scale: float = 1.0,
-               weighed: Sequence[Candidate] | None = None, native_allowed: bool = True,
-               topology: Topology | None = None) -> str:
-  """What ``algorithm="auto"`` runs for this call (as :func:`resolve` decides), named as
-  :func:`candidates` names it: an override, native on one device, else :func:`pick`.
-  ``weighed``: the candidates, when already priced."""
-  override = config_lib.override(primitive)
-  if override is not None and override != NATIVE:   # checked as resolve checks it
-    name = override if isinstance(override, str) else override.name
-    call_options(primitive, name, axis_sizes)
-    return (algorithms_lib.label(primitive, name, len(axis_names)) if isinstance(override, str)
-            else override.label(primitive, len(axis_names)))
-  if override is not None:
-    return override
-  if math.prod(axis_sizes) <= 1:
-    return NATIVE
-  return pick(weighed or candidates(primitive, axis_names, axis_sizes, nbytes, profile,
-                                    partial_sum_scale=partial_sum_scale, topology=topology),
-              native_allowed=native_allowed, trusted=trusted(profile)).label
+# --------------------------------------------------------------------------- the decision
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One collective call as auto prices it, made once per call.
+
+  ``nbytes`` is the message M (:meth:`CollectiveSpec.message_bytes`) of the data's dtype;
+  :attr:`priced_bytes` what the schedules send of it (a wire format's ``ratio``).
+  ``native_allowed`` is False under a compressed wire (the lax collective cannot send one).
+  """
+
+  primitive: str
+  axis_names: tuple[str, ...]
+  axis_sizes: tuple[int, ...]
+  nbytes: float
+  partial_sum_scale: float = 1.0
+  wire_ratio: float = 1.0
+  native_allowed: bool = True
+  description: str = ""
+
+  @classmethod
+  def of(cls, primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[int],
+         nbytes: float, dtype=None, *, accumulate=None, wire=None, description: str = "") -> Call:
+    """The call of ``primitive`` on data of ``dtype`` whose message is ``nbytes``, with
+    float32 partial sums (``accumulate``) or a :class:`WireFormat` (``wire``)."""
+    compressed = wire is not None and math.prod(axis_sizes) > 1
+    scale = 1.0 if dtype is None or accumulate is None else \
+        np.dtype(accumulate).itemsize / np.dtype(dtype).itemsize
+    return cls(primitive, tuple(axis_names), tuple(int(s) for s in axis_sizes), nbytes, scale,
+               wire.ratio(dtype) if compressed else 1.0, not compressed, description)
+
+  @property
+  def priced_bytes(self) -> float:
+    return self.nbytes * self.wire_ratio
 
 
-def resolve(primitive: str, algorithm, *, axis_names: Sequence[str],
-            axis_sizes: tuple[int, ...], nbytes: int,
-            partial_sum_scale: float = 1.0, native_allowed: bool = True,
-            call: str = "") -> tuple[str, dict]:
-  """The concrete algorithm to run for one call and its schedule options (auto picks among
-  the schedules only when not ``native_allowed``); logs the choice (:mod:`debug_log`;
-  ``call`` describes the operand for it)."""
+@dataclasses.dataclass(frozen=True)
+class Pricing:
+  """What a call is priced under: the profile, where the ranks sit (``topology``), and
+  whether the profile was measured on this backend (``trusted``)."""
+
+  profile: Profile
+  topology: Topology | None = None
+
+  @property
+  def trusted(self) -> bool:
+    return trusted(self.profile)
+
+  @classmethod
+  def of(cls, axis_names: Sequence[str], axis_sizes: Sequence[int], *, profile=None,
+         mesh_shape: dict | None = None) -> Pricing:
+    """:func:`profile_in_use` (``profile``) and the topology of the axes: on a mesh of
+    ``mesh_shape`` (``{axis: size}``) when given, else on the mesh traced now
+    (:func:`topology.current`); placed by ``jaxcoll.config(mesh=...)`` when it is that mesh."""
+    mesh = config_lib.current().mesh
+    if mesh_shape is None:
+      topo = topology_lib.current(axis_names, axis_sizes, mesh)
+    else:
+      topo = topology_lib.of_mesh_shape(tuple(mesh_shape), tuple(mesh_shape.values()),
+                                        tuple(axis_names), mesh)
+    return cls(profile_in_use(profile), topo)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """What one call runs and why: :func:`decide`'s result.
+
+  ``algorithm`` and ``options`` run (:func:`schedule`); ``label`` names it as
+  :func:`candidates` does; ``candidates`` were weighed (empty where nothing was priced);
+  ``overridden`` when ``jaxcoll.config`` / ``JAXCOLL_ALGORITHM`` chose; ``reason`` in words.
+  """
+
+  call: Call
+  algorithm: str
+  options: tuple
+  label: str
+  reason: str
+  candidates: tuple[Candidate, ...] = ()
+  pricing: Pricing | None = None
+  overridden: bool = False
+
+  @property
+  def chosen(self) -> Candidate | None:
+    """The weighed candidate that runs (None where nothing was weighed)."""
+    return next((c for c in self.candidates if c.label == self.label), None)
+
+
+def decide(call: Call, algorithm="auto", pricing: Pricing | None = None, *,
+           weigh: bool = False) -> Decision:
+  """What ``call`` runs with ``algorithm=``: the one place "auto" is decided, for the
+  collectives, :func:`jaxcoll.explain`, the debug log and the benchmarks.
+
+  "auto" defers to an override (``jaxcoll.config`` / ``JAXCOLL_ALGORITHM``), then runs native
+  on one device, else :func:`pick` of the :func:`candidates` priced under ``pricing``
+  (default :meth:`Pricing.of` the call's axes as traced now). "schedule" is auto without
+  native. A name or an algorithm value runs as given. ``weigh``: price the candidates even
+  where the choice does not need them (explain lists them).
+
+  Raises:
+    ValueError / TypeError: an algorithm that does not run this primitive on these axes.
+  """
+  primitive, axes, sizes = call.primitive, call.axis_names, call.axis_sizes
+  overridden = False
   if isinstance(algorithm, str) and algorithm == "auto":
-    algorithm = config_lib.override(primitive) or "auto"
-    if algorithm != "auto":
-      debug_log.override(primitive, call, axis_names, str(algorithm))
-  check_algorithm(primitive, algorithm, num_axes=len(axis_sizes))
-  options = {}
+    override = config_lib.override(primitive)
+    if override is not None:
+      algorithm, overridden = override, True
+  check_algorithm(primitive, algorithm, num_axes=len(sizes))
+  options, label = {}, None
   if not isinstance(algorithm, str):
+    label = algorithm.label(primitive, len(axes))
     algorithm, options = algorithm.name, algorithm.options()
+  native_allowed = call.native_allowed
   if algorithm == SCHEDULE:
     algorithm, native_allowed = "auto", False
+  one_device = math.prod(sizes) <= 1
+  weighed = ()
+  if weigh or (algorithm == "auto" and not one_device):
+    pricing = pricing or Pricing.of(axes, sizes)
+    weighed = tuple(candidates(primitive, axes, sizes, call.priced_bytes, pricing.profile,
+                               partial_sum_scale=call.partial_sum_scale,
+                               topology=pricing.topology))
+  given = "overridden by jaxcoll.config / " + config_lib.ENV_ALGORITHM if overridden else \
+      "the algorithm= argument"
+  if algorithm == "auto" and one_device:
+    return Decision(call, NATIVE, (), NATIVE, "one device: the lax collective", weighed,
+                    pricing, overridden)
   if algorithm == "auto":
-    if math.prod(axis_sizes) <= 1:
-      return NATIVE, {}
-    profile = profile_in_use()
-    topo = topology_lib.current(axis_names, axis_sizes, config_lib.current().mesh)
-    weighed = candidates(primitive, tuple(axis_names), tuple(axis_sizes), nbytes, profile,
-                         partial_sum_scale=partial_sum_scale, topology=topo)
-    measured_here = trusted(profile)
-    chosen = pick(weighed, native_allowed=native_allowed, trusted=measured_here)
-    debug_log.choice(primitive, call, axis_names, axis_sizes, chosen, weighed, profile, topo,
-                     trusted=measured_here, native_allowed=native_allowed,
-                     margin=NATIVE_MARGIN)
-    return chosen.algorithm, dict(chosen.options)
+    chosen = pick(weighed, native_allowed=native_allowed, trusted=pricing.trusted)
+    reason = why(chosen, weighed, trusted=pricing.trusted, native_allowed=native_allowed,
+                 profile_name=pricing.profile.name)
+    return Decision(call, chosen.algorithm, chosen.options, chosen.label, reason, weighed,
+                    pricing, overridden)
   if algorithm == NATIVE:
-    return NATIVE, {}
-  return algorithm, call_options(primitive, algorithm, axis_sizes, options)
+    return Decision(call, NATIVE, (), NATIVE, given, weighed, pricing, overridden)
+  options = call_options(primitive, algorithm, sizes, options)
+  label = label or algorithms_lib.label(primitive, algorithm, len(axes))
+  return Decision(call, algorithm, tuple(sorted(options.items())), label, given, weighed,
+                  pricing, overridden)
+
+
+def _ms(s: float) -> str:
+  return f"{s * 1e3:.3g} ms"
+
+
+def why(chosen: Candidate, weighed: Sequence[Candidate], *, trusted: bool,
+        native_allowed: bool, profile_name: str) -> str:
+  """The reason the model picked ``chosen`` out of ``weighed`` (native first), in words."""
+  native, *scheduled = weighed
+  best = min(scheduled, key=lambda c: c.vs(native), default=native)
+  if not native_allowed:
+    return (f"native cannot send a wire format (or algorithm='schedule' excludes it); "
+            f"fastest schedule {best.label}")
+  if not trusted:
+    return (f"profile {profile_name or 'custom'} was not measured on this backend: native "
+            f"kept (fastest schedule {best.label}, predicted {_ms(best.predicted_s)})")
+  ratio = 1 / max(best.vs(native), 1e-30)
+  placed = "" if not best.elsewhere_s else " under every placement of the hosts"
+  if chosen is native:
+    return (f"fastest schedule {best.label} predicted {_ms(best.predicted_s)}, {ratio:.2f}x "
+            f"native's speed{placed}; a schedule must be {NATIVE_MARGIN:g}x faster")
+  return (f"{ratio:.2f}x faster than native{placed}; a schedule must be {NATIVE_MARGIN:g}x "
+          "faster")
+
+
+def resolve(call: Call, algorithm) -> tuple[str, dict]:
+  """The algorithm one traced call runs and its schedule options (:func:`decide`), logged
+  (:mod:`debug_log`)."""
+  decision = decide(call, algorithm)
+  debug_log.decision(decision)
+  return decision.algorithm, dict(decision.options)

@@ -8,8 +8,7 @@ import math
 import jax
 import numpy as np
 
-from jaxcoll._src import checks, cost, dispatch, ops, topology
-from jaxcoll._src import config as config_lib
+from jaxcoll._src import checks, cost, dispatch
 from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.algorithms import NATIVE
 from jaxcoll._src.profile import Profile
@@ -161,29 +160,23 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
   nbytes = int(facts.message_bytes(int(math.prod(x.shape)) * dtype.itemsize, n))
   acc = checks.accumulate(accumulate_dtype, dtype) if facts.reduces else \
       _not_taken(primitive, "accumulate_dtype", accumulate_dtype)
-  scale = ops.partial_sum_scale(dtype, acc)
   fmt = wire_lib.wire_format(wire_dtype, dtype) if facts.wire else \
       _not_taken(primitive, "wire_dtype", wire_dtype)
-  priced = nbytes * (fmt.ratio(dtype) if fmt else 1.0)
-  profile = dispatch.profile_in_use(profile)
-  topo = topology.of_mesh_shape(tuple(shape_of), tuple(shape_of.values()), axes,
-                                config_lib.current().mesh)
-  candidates = dispatch.candidates(primitive, axes, sizes, priced, profile,
-                                   partial_sum_scale=scale, topology=topo)
-  chosen = dispatch.auto_label(primitive, axes, sizes, priced, profile, weighed=candidates,
-                               native_allowed=fmt is None, topology=topo)
-  override = config_lib.override(primitive)
+  call = dispatch.Call.of(primitive, axes, sizes, nbytes, dtype, accumulate=acc, wire=fmt)
+  pricing = dispatch.Pricing.of(axes, sizes, profile=profile, mesh_shape=dict(shape_of))
+  decision = dispatch.decide(call, pricing=pricing, weigh=True)
   rows = []
-  for c in candidates:
+  for c in decision.candidates:
     if c.algorithm == NATIVE:
       steps, per_axis = None, None
     else:
-      traffic = c.schedule.traffic(priced, sizes, partial_sum_scale=scale)
+      traffic = c.schedule.traffic(call.priced_bytes, sizes,
+                                   partial_sum_scale=call.partial_sum_scale)
       steps, per_axis = c.schedule.num_steps, {a: t.bytes for a, t in zip(axes, traffic)}
-    rows.append(ExplainRow(c.label, steps, per_axis, c.predicted_s, c.label == chosen))
-  return Explanation(primitive, axes, sizes, nbytes, profile.name, chosen, override is not None,
-                     tuple(rows), fmt.name if fmt else None, dispatch.trusted(profile),
-                     topo.label, cost.not_weighed(primitive, sizes))
+    rows.append(ExplainRow(c.label, steps, per_axis, c.predicted_s, c.label == decision.label))
+  return Explanation(primitive, axes, sizes, nbytes, pricing.profile.name, decision.label,
+                     decision.overridden, tuple(rows), fmt.name if fmt else None,
+                     pricing.trusted, pricing.topology.label, cost.not_weighed(primitive, sizes))
 
 
 def _is_leaf(x) -> bool:
