@@ -15,6 +15,7 @@ from jaxcoll._src.collectives import (
 )
 from jaxcoll._src.config import config
 from jaxcoll._src.explain import Explanation, Explanations, explain
+from jaxcoll._src.extend import register
 from jaxcoll._src.integrations.data_parallel import data_parallel
 from jaxcoll._src.integrations.per_device import PerDevice
 from jaxcoll._src.integrations.rewrite import use
@@ -65,6 +66,7 @@ __all__ = (
     "optax",
     "reduce",
     "reduce_scatter",
+    "register",
     "schedule",
     "shift",
     "spec",

@@ -54,6 +54,7 @@ from jaxcoll._src.dispatch import (
     decide,
     profile_in_use,
 )
+from jaxcoll._src.extend import unregister
 from jaxcoll._src.ops import check_op
 from jaxcoll._src.record import Line as ReportLine
 from jaxcoll._src.record import at as record_at
@@ -116,6 +117,7 @@ __all__ = (
     "record_paused",
     "recording",
     "spec",
+    "unregister",
     "varying",
     "wire_format",
 )

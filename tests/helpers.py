@@ -143,27 +143,6 @@ def input_length(primitive: str, n: int, length: int) -> int:
   return length if primitive == "all_gather" else n * length
 
 
-def numpy_reference(primitive, xs, root, op="sum"):
-  """Plain NumPy: every rank's result of ``primitive`` on per-rank flat inputs ``xs``
-  (reduce: the root's, zeros elsewhere; shift: offset 1)."""
-  n = len(xs)
-  if primitive == "all_to_all":
-    return [np.concatenate([x.reshape(n, -1)[r] for x in xs]) for r in range(n)]
-  if primitive == "shift":
-    return [xs[(r - 1) % n] for r in range(n)]
-  fn = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max}[op]
-  total = fn(np.stack(xs), axis=0)
-  if primitive == "all_reduce":
-    return [total] * n
-  if primitive == "reduce_scatter":
-    return list(total.reshape(n, -1))
-  if primitive == "all_gather":
-    return [np.concatenate(xs)] * n
-  if primitive == "broadcast":
-    return [xs[root]] * n
-  return [total if r == root else np.zeros_like(total) for r in range(n)]
-
-
 def assert_like_jit_with_permutes_only(got, want, report, tol: float = 1e-5) -> None:
   """A step under ``jaxcoll.use`` (``got``; ``report``: its ``jaxcoll.explain_step``)
   against plain ``jax.jit``'s (``want``): values within ``tol``, the same output shardings,

@@ -50,21 +50,6 @@ def trusted_copy(preset: str, **changes) -> Profile:
   return dataclasses.replace(Profile.preset(preset), basis="given", **changes)
 
 
-def reference(primitive, xs, root=0):
-  n = len(xs)
-  total = np.sum(xs, axis=0)
-  return {
-      "all_reduce": lambda: [total] * n,
-      "reduce_scatter": lambda: list(total.reshape(n, -1)),
-      "all_gather": lambda: [np.concatenate(xs)] * n,
-      "broadcast": lambda: [xs[root]] * n,
-      "reduce": lambda: [total if r == root else np.zeros_like(total) for r in range(n)],
-      "all_to_all": lambda: [np.concatenate([x.reshape(n, -1)[r] for x in xs])
-                             for r in range(n)],
-      "shift": lambda: [xs[(r - 1) % n] for r in range(n)],
-  }[primitive]()
-
-
 def axis_traffic(sched, sizes=None) -> list[float]:
   """Steps and bytes per mesh axis (M = 1), flat."""
   return [v for t in sched.traffic(1.0, sizes) for v in (t.steps, t.bytes)]
@@ -76,7 +61,7 @@ def check_runs(primitive, algorithm, options, n):
   assert (sched.primitive, sched.axis_size) == (primitive, n)
   rng = np.random.default_rng(n)
   xs = [rng.integers(-9, 9, 3 * n).astype(np.int64) for _ in range(n)]
-  for got, want in zip(sched.simulate(xs), reference(primitive, xs)):
+  for got, want in zip(sched.simulate(xs), jaxcoll.spec(primitive).expected(xs)):
     np.testing.assert_array_equal(got, want)
   return sched
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import ml_dtypes
@@ -14,7 +15,6 @@ import jaxcoll
 from jaxcoll._src.algorithms import entry
 from jaxcoll._src.algorithms.trees import double_binary_trees
 from jaxcoll._src.schedule import Messages, Step, Transfer
-from tests.helpers import numpy_reference
 
 SIZES = range(1, 9)
 SCHEDULED = [(p, a) for p in jaxcoll.PRIMITIVES for a in jaxcoll.algorithms(p)
@@ -33,8 +33,8 @@ def test_simulate_matches_reference(primitive, algorithm, n, op):
   for root in roots:
     sched = jaxcoll.schedule(primitive, algorithm, n, root=root)
     xs = [rng.integers(-3, 4, size).astype(np.int64) for _ in range(n)]
-    for got, want in zip(sched.simulate(xs, op=op), numpy_reference(primitive, xs, root, op)):
-      np.testing.assert_array_equal(got, want)
+    sched.check(xs, op=op)
+    sched.check(op=op)   # its own inputs
 
 
 @pytest.mark.parametrize("primitive,algorithm", SCHEDULED)
@@ -45,8 +45,28 @@ def test_simulate_any_size(primitive, algorithm, n, length):
   xs = [rng.integers(-100, 100, size).astype(np.int32) for _ in range(n)]
   root = n - 1 if primitive in ("broadcast", "reduce") else 0
   sched = jaxcoll.schedule(primitive, algorithm, n, root=root)
-  for got, want in zip(sched.simulate(xs), numpy_reference(primitive, xs, root)):
-    np.testing.assert_array_equal(got, want)
+  sched.check(xs)
+
+
+def test_check_names_the_rank_that_differs():
+  sched = jaxcoll.schedule("all_reduce", "ring", 4)
+  wrong = dataclasses.replace(sched, steps=list(sched.steps)[:-1])   # the last step dropped
+  with pytest.raises(AssertionError, match=r"all_reduce schedule 'ring' on 4 ranks .*rank \d"):
+    wrong.check()
+
+
+@pytest.mark.parametrize("primitive", jaxcoll.PRIMITIVES)
+def test_each_collective_s_numpy_reference_equals_lax(primitive):
+  """``CollectiveSpec.expected``, which Schedule.check holds every schedule to, is what the
+  jax.lax collective computes (4 devices; root 1)."""
+  import jax
+
+  from tests.helpers import call_lax, per_device
+  n, length = 4, 3 if primitive == "all_gather" else 12
+  xs = np.arange(n * length, dtype=np.float32).reshape(n, length) ** 1.5 % 17
+  lax_out = per_device(lambda v: call_lax(primitive, v, "x", root=1), n)(jax.numpy.asarray(xs))
+  for got, want in zip(jaxcoll.spec(primitive).expected(list(xs), root=1), np.asarray(lax_out)):
+    np.testing.assert_allclose(got, want.reshape(-1), rtol=1e-6)
 
 
 def lg(n):
@@ -194,7 +214,7 @@ def test_builds_and_simulates_at_4096_ranks(primitive, algorithm):
   rng = np.random.default_rng(0)
   xs = list(rng.integers(0, 4, (n, n if primitive != "all_gather" else 1)).astype(np.float32))
   out = sched.simulate(xs)
-  want = numpy_reference(primitive, xs, 0)
+  want = jaxcoll.spec(primitive).expected(xs, 0)
   for r in (0, 1, 2049, n - 1):
     np.testing.assert_array_equal(out[r], want[r])
 
@@ -295,7 +315,7 @@ def test_hierarchical_simulates_like_the_flat_collective(primitive, shape, op):
   sched = jaxcoll.schedule(primitive, "hierarchical", n, axis_sizes=shape)
   assert sched.axis_sizes == shape
   xs = [rng.integers(-9, 9, 2 * n).astype(np.int64) for _ in range(n)]
-  for got, want in zip(sched.simulate(xs, op=op), numpy_reference(primitive, xs, 0, op)):
+  for got, want in zip(sched.simulate(xs, op=op), jaxcoll.spec(primitive).expected(xs, 0, op)):
     np.testing.assert_array_equal(got, want)
 
 

@@ -658,6 +658,35 @@ class Schedule:
         dataclasses.replace(t, src=shift(t.src), dst=shift(t.dst)) for t in s.transfers)))
     return dataclasses.replace(self, steps=steps, root=(self.root + root) % n)
 
+  def check(self, inputs: Sequence[np.ndarray] | None = None, op: str = "sum") -> None:
+    """Simulates the schedule (:meth:`simulate`) and compares every rank's result with the
+    collective's NumPy reference (:meth:`CollectiveSpec.expected`), exactly.
+
+    Args:
+      inputs: one array per rank, as :meth:`simulate` takes them; default: small integers,
+        different on every rank and element (sums of them are exact in any order).
+      op: "sum", "prod", "min" or "max".
+
+    Raises:
+      AssertionError: a rank whose result differs, named with the first differing element.
+
+    Example:
+      >>> import jaxcoll
+      >>> jaxcoll.schedule("all_reduce", "ring", 5).check()
+    """
+    n = self.axis_size
+    if inputs is None:
+      length = 3 if spec(self.primitive).message == "output" else 3 * n
+      inputs = [(np.arange(length) * (r + 2) + r) % 7 for r in range(n)]
+    got = self.simulate(inputs, op=op)
+    want = spec(self.primitive).expected(inputs, self.root, op)
+    for r, (g, w) in enumerate(zip(got, want)):
+      if g.shape != w.shape or not np.array_equal(g, w):
+        at = "shape" if g.shape != w.shape else int(np.flatnonzero(g != w)[0])
+        raise AssertionError(f"{self.primitive} schedule {self.algorithm!r} on {n} ranks "
+                             f"(root {self.root}, op {op}): rank {r} ends with {g.tolist()}, "
+                             f"expected {w.tolist()} (first difference at {at})")
+
   def simulate(self, inputs: Sequence[np.ndarray], op: str = "sum") -> list[np.ndarray]:
     """NumPy reference executor: runs the schedule on per-rank inputs, no JAX.
 

@@ -4,14 +4,19 @@ Which lax collective it equals, whether it reduces, has a root, leaves every ran
 result, owns a block per rank, takes a compressed wire format, what its message size M
 counts, and its nccl-tests bus-bandwidth factor. Schedules, the executor, the layout, the
 cost model, calibrate, explain and the benchmarks read these instead of keeping lists of
-their own (the MSCCLang ``Collective`` idea). Nothing here imports JAX.
+their own, and each keeps its expected result in NumPy (the MSCCLang ``Collective`` idea,
+with its ``check``). Nothing here imports JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
+
+import numpy as np
+
+_REDUCERS = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +43,8 @@ class CollectiveSpec:
     bus_factor: nccl-tests' bus bandwidth over algorithm bandwidth at N ranks; None for a
       point-to-point primitive (shift), which is neither benchmarked as a collective nor
       calibrated.
+    reference: ``reference(inputs, root, op) -> outputs``: what every rank ends with, in
+      plain NumPy (:meth:`expected`); :meth:`Schedule.check` holds a schedule to it.
   """
 
   name: str
@@ -51,6 +58,38 @@ class CollectiveSpec:
   layout: Literal["whole", "scatter", "gather", "exchange", "pair"] = "whole"
   bus_factor: Callable[[int], float] | None = dataclasses.field(default=None, compare=False,
                                                                 repr=False)
+  reference: Callable[..., list] | None = dataclasses.field(default=None, compare=False,
+                                                            repr=False)
+
+  def expected(self, inputs: Sequence[np.ndarray], root: int = 0,
+               op: str = "sum") -> list[np.ndarray]:
+    """Every rank's result of this collective, in plain NumPy.
+
+    Args:
+      inputs: one flat array per rank, as :meth:`Schedule.simulate` takes them (all_gather:
+        the rank's piece).
+      root: the root rank (broadcast, reduce).
+      op: "sum", "prod", "min" or "max" (reducing collectives).
+
+    Returns:
+      One flat array per rank, as :meth:`Schedule.simulate` returns them: the reduction
+      (all_reduce), the rank's block of it (reduce_scatter), every piece (all_gather), the
+      root's buffer (broadcast), the reduction at the root and zeros elsewhere (reduce),
+      block r of every rank (all_to_all), the previous rank's input (shift).
+
+    Raises:
+      ValueError: ``op`` is not one of the four.
+
+    Example:
+      >>> import numpy as np, jaxcoll
+      >>> [a.tolist() for a in jaxcoll.spec("reduce_scatter").expected(
+      ...     [np.array([1, 2]), np.array([10, 20])])]
+      [[11], [22]]
+    """
+    if op not in _REDUCERS:
+      raise ValueError(f"op={op!r}: expected one of {tuple(_REDUCERS)}")
+    flat = [np.asarray(x).reshape(-1) for x in inputs]
+    return self.reference(flat, root, op)
 
   def message_bytes(self, input_bytes: float, axis_size: int) -> float:
     """M for an input of ``input_bytes`` per device."""
@@ -63,18 +102,56 @@ class CollectiveSpec:
 
 _ring_fraction = lambda n: (n - 1) / n   # noqa: E731
 
+
+def _reduced(xs, op):
+  return _REDUCERS[op](np.stack(xs), axis=0)
+
+
+def _all_reduce(xs, root, op):
+  return [_reduced(xs, op)] * len(xs)
+
+
+def _reduce_scatter(xs, root, op):
+  return list(_reduced(xs, op).reshape(len(xs), -1))
+
+
+def _all_gather(xs, root, op):
+  return [np.concatenate(xs)] * len(xs)
+
+
+def _broadcast(xs, root, op):
+  return [xs[root]] * len(xs)
+
+
+def _reduce(xs, root, op):
+  total = _reduced(xs, op)
+  return [total if r == root else np.zeros_like(total) for r in range(len(xs))]
+
+
+def _all_to_all(xs, root, op):
+  n = len(xs)
+  return [np.concatenate([x.reshape(n, -1)[r] for x in xs]) for r in range(n)]
+
+
+def _shift(xs, root, op):
+  return [xs[(r - 1) % len(xs)] for r in range(len(xs))]
+
+
 SPECS: dict[str, CollectiveSpec] = {s.name: s for s in (
     CollectiveSpec("all_reduce", "psum", reduces=True, replicated=True, wire=True,
-                   bus_factor=lambda n: 2 * _ring_fraction(n)),
+                   bus_factor=lambda n: 2 * _ring_fraction(n), reference=_all_reduce),
     CollectiveSpec("reduce_scatter", "psum_scatter", reduces=True, blocked=True, wire=True,
-                   layout="scatter", bus_factor=_ring_fraction),
+                   layout="scatter", bus_factor=_ring_fraction, reference=_reduce_scatter),
     CollectiveSpec("all_gather", "all_gather", replicated=True, blocked=True, wire=True,
-                   message="output", layout="gather", bus_factor=_ring_fraction),
-    CollectiveSpec("broadcast", "psum", rooted=True, bus_factor=lambda n: 1.0),
-    CollectiveSpec("reduce", "psum", reduces=True, rooted=True, bus_factor=lambda n: 1.0),
+                   message="output", layout="gather", bus_factor=_ring_fraction,
+                   reference=_all_gather),
+    CollectiveSpec("broadcast", "psum", rooted=True, bus_factor=lambda n: 1.0,
+                   reference=_broadcast),
+    CollectiveSpec("reduce", "psum", reduces=True, rooted=True, bus_factor=lambda n: 1.0,
+                   reference=_reduce),
     CollectiveSpec("all_to_all", "all_to_all", wire=True, layout="exchange",
-                   bus_factor=_ring_fraction),
-    CollectiveSpec("shift", "ppermute", layout="pair"),
+                   bus_factor=_ring_fraction, reference=_all_to_all),
+    CollectiveSpec("shift", "ppermute", layout="pair", reference=_shift),
 )}
 PRIMITIVES = tuple(SPECS)
 

@@ -93,6 +93,14 @@ def register(primitive: str, name: str, **metadata):
   return wrap
 
 
+def unregister(primitive: str, name: str) -> None:
+  """Removes what :func:`register` added as ``name``; ValueError if nothing was."""
+  spec(primitive)
+  if _REGISTRY[primitive].pop(name, None) is None:
+    raise ValueError(f"name={name!r}: {primitive} has no algorithm of that name")
+  schedule.cache_clear()
+
+
 def entry(primitive: str, name: str) -> Algorithm:
   """The :class:`Algorithm` registered as ``name`` for ``primitive``."""
   check_algorithm(primitive, name)
