@@ -31,16 +31,45 @@ from jaxcoll._src.launch_env import (
   ENV_PROCESS_ID,
 )
 
+__all__ = ("initialize", "launched")
 
 def launched() -> bool:
-  """Whether this process was started by :mod:`jaxcoll.launch`."""
+  """Whether this process was started by :mod:`jaxcoll.launch`.
+
+  Returns:
+    True in a rank started by ``jaxcoll.launch`` / ``jaxcoll-launch``.
+
+  Raises:
+    Nothing: it reads this process's environment.
+
+  Example:
+    >>> import jaxcoll
+    >>> jaxcoll.distributed.launched()      # this test process was not
+    False
+  """
   return ENV_COORDINATOR in os.environ
 
 
 def initialize(**kwargs) -> None:
   """``jax.distributed.initialize`` with what :mod:`jaxcoll.launch` set (else JAX's own
   cluster detection). Extra keyword arguments go to ``jax.distributed.initialize``.
-  Does nothing when this process already joined a job."""
+  Does nothing when this process already joined a job.
+
+  Args:
+    **kwargs: passed on to ``jax.distributed.initialize`` (they override what
+      ``jaxcoll.launch`` set).
+
+  Returns:
+    None; afterwards ``jax.process_count()`` is the job's.
+
+  Raises:
+    RuntimeError: what ``jax.distributed.initialize`` raises (no coordinator, a timeout).
+
+  Example:
+    >>> import jaxcoll
+    >>> jaxcoll.distributed.initialize     # in each rank, before anything uses a device
+    <function initialize at ...>
+  """
   import jax
   if jax.distributed.is_initialized():
     return

@@ -154,6 +154,22 @@ def calibrate(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DE
     name: the profile's name.
 
   Runs programs on the mesh, so it must be called outside jit / shard_map.
+
+  Returns:
+    A :class:`Profile` trusted on this backend (``basis="measured"``): ``jaxcoll.config(
+    profile=...)`` makes auto price with it; ``Profile.save`` keeps it.
+
+  Raises:
+    ValueError: an axis not in ``mesh``, a size that is not a positive multiple of 4 x the
+      devices, a primitive that is not timed, or a call inside a trace.
+
+  Example:
+    >>> import jax, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    >>> prof = jaxcoll.calibrate(mesh, sizes=(4096, 65536), reps=1, min_seconds=0.0,
+    ...                          primitives=("all_reduce",), progress=False)
+    >>> prof.trusted(jax.default_backend()), prof.name
+    (True, 'calibrated')
   """
   return fit([measure(mesh, axes, sizes, reps=reps, min_seconds=min_seconds,
                       primitives=primitives, progress=progress)], name=name)

@@ -246,6 +246,22 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
     The reduction, typed invariant over ``axis_name``. Cost (ring): 2(N-1)
     steps, 2(N-1)/N * M bytes per device (times ``WireFormat.ratio`` when
     compressed); see each algorithm's schedule.
+
+  Raises:
+    ValueError: at trace time, naming the argument: an axis no enclosing shard_map binds, an
+      algorithm that does not run all_reduce over these axes, an ``op`` the dtype does not
+      take, a ``wire_dtype`` that is not a wire format or that ``algorithm="native"`` cannot
+      send, an ``accumulate_dtype`` narrower than x's.
+    TypeError: an argument of the wrong kind (e.g. an algorithm that is neither a name nor
+      an algorithm value).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    >>> f = jax.shard_map(lambda v: jaxcoll.all_reduce(v, "x", algorithm="ring"),
+    ...                   mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P())
+    >>> f(jnp.arange(8.0))
+    Array([12., 16.], dtype=float32)
   """
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
@@ -274,6 +290,32 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
   ``tiled=True`` it must be divisible by N and shrinks N-fold. ``wire_dtype``
   and ``wire_block_size`` compress the partial sums as in :func:`all_reduce`.
   Cost (ring): N-1 steps, (N-1)/N * M bytes per device (M = the input).
+
+  Args:
+    x: a pytree of arrays.
+    axis_name: a mesh axis of the enclosing shard_map, or a tuple of them.
+    scatter_dimension: the dimension split among the devices.
+    tiled: as ``lax.psum_scatter``'s (above).
+    op, algorithm, accumulate_dtype, wire_dtype, wire_block_size: as :func:`all_reduce`'s.
+
+  Returns:
+    Device r's block of the reduction.
+
+  Raises:
+    ValueError: at trace time, naming the argument: an axis no enclosing shard_map binds, an
+      algorithm that does not run reduce_scatter over these axes, a ``scatter_dimension`` out
+      of range or not split evenly, an ``op`` the dtype does not take.
+    TypeError: an argument of the wrong kind (e.g. an algorithm that is neither a name nor
+      an algorithm value).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    >>> f = jax.shard_map(lambda v: jaxcoll.reduce_scatter(v, "x", tiled=True),
+    ...                   mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P("x"))
+    >>> f(jnp.arange(16.0))
+    Array([24., 28., 32., 36.], dtype=float32)
+
   """
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
@@ -317,6 +359,34 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: s
   :func:`all_reduce` (each device's own piece comes back decoded too, so all
   copies agree bit for bit). Cost (ring): N-1 steps, (N-1)/N * M bytes per device
   (M = the gathered output).
+
+  Args:
+    x: a pytree of arrays, the device's piece.
+    axis_name: a mesh axis of the enclosing shard_map, or a tuple of them.
+    axis: where the pieces go (above).
+    tiled: stack (False) or concatenate (True).
+    algorithm: as :func:`all_reduce`'s.
+    to: "varying" or "invarying" (above).
+    wire_dtype, wire_block_size: as :func:`all_reduce`'s.
+
+  Returns:
+    Every device's piece, in device order, on every device.
+
+  Raises:
+    ValueError: at trace time, naming the argument: an axis no enclosing shard_map binds, an
+      algorithm that does not run all_gather over these axes, an ``axis`` out of range,
+      ``tiled=True`` on a scalar, a ``to`` other than the two.
+    TypeError: an argument of the wrong kind (e.g. an algorithm that is neither a name nor
+      an algorithm value).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    >>> f = jax.shard_map(lambda v: jaxcoll.all_gather(v, "x", tiled=True, to="invarying"),
+    ...                   mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P())
+    >>> f(jnp.arange(4.0))
+    Array([0., 1., 2., 3.], dtype=float32)
+
   """
   checks.choice(to, ("varying", "invarying", "invariant"), "to")
   checks.flag(tiled, "tiled")
@@ -349,6 +419,30 @@ def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "auto"):
 
   Cost (binomial_tree): ceil(log2 N) steps, ceil(log2 N) * M bytes at the root;
   (scatter_allgather): ceil(log2 N) + N - 1 steps, 2(N-1)/N * M.
+
+  Args:
+    x: a pytree of arrays.
+    axis_name: a mesh axis of the enclosing shard_map, or a tuple of them.
+    root: the device whose x everyone gets, ``0 <= root < N``.
+    algorithm: as :func:`all_reduce`'s (names from ``algorithms("broadcast")``).
+
+  Returns:
+    The root's x on every device.
+
+  Raises:
+    ValueError: at trace time, naming the argument: an axis no enclosing shard_map binds, an
+      algorithm that does not run broadcast over these axes, a ``root`` outside ``[0, N)``.
+    TypeError: an argument of the wrong kind (e.g. an algorithm that is neither a name nor
+      an algorithm value).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    >>> f = jax.shard_map(lambda v: jaxcoll.broadcast(v, "x", root=2),
+    ...                   mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P())
+    >>> f(jnp.arange(4.0))
+    Array([2.], dtype=float32)
+
   """
   axes = axes_lib.normalize(axis_name)
   _check_root(root, axes_lib.size(axes))
@@ -370,6 +464,32 @@ def reduce(x, axis_name, *, root: int = 0, op: str = "sum", algorithm: str = "au
 
   Cost (binomial_tree): ceil(log2 N) steps, M bytes per device;
   (reduce_scatter_gather): N - 1 + ceil(log2 N) steps, at most 1.5 M.
+
+  Args:
+    x: a pytree of arrays.
+    axis_name: a mesh axis of the enclosing shard_map, or a tuple of them.
+    root: the device that gets the reduction, ``0 <= root < N``.
+    op: as :func:`all_reduce`'s.
+    algorithm: as :func:`all_reduce`'s (names from ``algorithms("reduce")``).
+
+  Returns:
+    The reduction at the root, zeros of its shape and dtype elsewhere.
+
+  Raises:
+    ValueError: at trace time, naming the argument: an axis no enclosing shard_map binds, an
+      algorithm that does not run reduce over these axes, a ``root`` outside ``[0, N)``, an
+      ``op`` the dtype does not take.
+    TypeError: an argument of the wrong kind (e.g. an algorithm that is neither a name nor
+      an algorithm value).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    >>> f = jax.shard_map(lambda v: jaxcoll.reduce(v, "x", root=1),
+    ...                   mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P("x"))
+    >>> f(jnp.arange(4.0))
+    Array([0., 6., 0., 0.], dtype=float32)
+
   """
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
@@ -402,6 +522,33 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
   (N-1)/N * M bytes per device; (bruck): ceil(log2 N) steps, about
   (N/2) log2 N * M/N; (hierarchical, over (outer, inner)): inner-1 + outer-1
   steps, outer-1 messages across the outer axis.
+
+  Args:
+    x: a pytree of arrays.
+    axis_name: a mesh axis of the enclosing shard_map, or a tuple of them.
+    split_axis: the dimension split into N blocks, block j sent to device j.
+    concat_axis: where the received blocks go.
+    tiled: as ``lax.all_to_all``'s (above).
+    algorithm, wire_dtype, wire_block_size: as :func:`all_reduce`'s.
+
+  Returns:
+    The blocks every device sent this one, in device order.
+
+  Raises:
+    ValueError: at trace time, naming the argument: an axis no enclosing shard_map binds, an
+      algorithm that does not run all_to_all over these axes, a ``split_axis`` or
+      ``concat_axis`` out of range, a split dimension not split evenly.
+    TypeError: an argument of the wrong kind (e.g. an algorithm that is neither a name nor
+      an algorithm value).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    >>> f = jax.shard_map(lambda v: jaxcoll.all_to_all(v, "x", 0, 0, tiled=True),
+    ...                   mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P("x"))
+    >>> f(jnp.arange(16.0)).reshape(4, 4)[0]
+    Array([ 0.,  4.,  8., 12.], dtype=float32)
+
   """
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
@@ -440,6 +587,32 @@ def shift(x, axis_name, offset: int = 1, *, wrap: bool = True, algorithm="auto")
   pairs whose destination exists; devices nobody sends to get zeros. Device i
   is the one with ``lax.axis_index(axis_name) == i``, also over a tuple of
   axes. Cost: 1 step, M bytes per device.
+
+  Args:
+    x: a pytree of arrays.
+    axis_name: a mesh axis of the enclosing shard_map, or a tuple of them.
+    offset: how far each x travels (negative: backwards).
+    wrap: destinations mod N (True), or only those that exist (False).
+    algorithm: as :func:`all_reduce`'s (names from ``algorithms("shift")``).
+
+  Returns:
+    The x of device i - offset (zeros where none arrives).
+
+  Raises:
+    ValueError: at trace time, naming the argument: an axis no enclosing shard_map binds, an
+      algorithm that does not run shift over these axes, an ``offset`` or ``wrap`` of the
+      wrong kind.
+    TypeError: an argument of the wrong kind (e.g. an algorithm that is neither a name nor
+      an algorithm value).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    >>> f = jax.shard_map(lambda v: jaxcoll.shift(v, "x", wrap=False),
+    ...                   mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P("x"))
+    >>> f(jnp.arange(1.0, 5.0))
+    Array([0., 1., 2., 3.], dtype=float32)
+
   """
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)

@@ -138,6 +138,18 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
     ``jaxcoll.config`` / ``JAXCOLL_ALGORITHM`` overrides), ``.rows`` every
     algorithm with its steps, bytes per axis and predicted seconds. For a pytree,
     :class:`Explanations`: one per leaf.
+
+  Raises:
+    ValueError: a primitive that is not a collective, an axis not in ``mesh``, an option the
+      primitive does not take (``wire_dtype`` for broadcast), a profile that is not one.
+    TypeError: ``x`` (or a leaf of it) without ``.shape`` and ``.dtype``.
+
+  Example:
+    >>> import jax, jaxcoll
+    >>> why = jaxcoll.explain("all_reduce", jax.ShapeDtypeStruct((1 << 20,), "float32"),
+    ...                       {"x": 8}, "x", profile="cpu", wire_dtype="int8")
+    >>> why.chosen, why.wire_dtype
+    ('recursive_doubling', 'int8')
   """
   facts = spec(primitive)
   if x is None:

@@ -89,6 +89,17 @@ def fused_combine(acc, recv, *, op: str = "sum", scale: float | None = None, out
 
   Returns:
     The new accumulator, ``acc``'s shape, dtype ``out_dtype``.
+
+  Raises:
+    ValueError: an ``op`` or ``rounding`` not taken, ``rounding="stochastic"`` without a
+      ``key``, shapes that do not match, a ``compiler`` in interpret mode.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxcoll
+    >>> acc = jnp.ones((2, 128), jnp.bfloat16)
+    >>> out = jaxcoll.kernels.fused_combine(acc, acc, out_dtype=jnp.bfloat16)
+    >>> out.dtype, out[0, 0].item()
+    (dtype(bfloat16), 2.0)
   """
   acc, recv = jnp.asarray(acc), jnp.asarray(recv)
   out_dtype = np.dtype(acc.dtype if out_dtype is None else out_dtype)
@@ -113,7 +124,24 @@ def fused_combine(acc, recv, *, op: str = "sum", scale: float | None = None, out
 def fused_combine_reference(acc, recv, *, op: str = "sum", scale: float | None = None,
                             out_dtype=None, rounding: str = "nearest", key=None,
                             recv_exponents=None):
-  """:func:`fused_combine` in plain jax.numpy (what XLA fuses by itself); the same bits."""
+  """:func:`fused_combine` in plain jax.numpy (what XLA fuses by itself); the same bits.
+
+  Args:
+    acc, recv, op, scale, out_dtype, rounding, key, recv_exponents: as
+      :func:`fused_combine`'s.
+
+  Returns:
+    The new accumulator, bit for bit :func:`fused_combine`'s.
+
+  Raises:
+    ValueError: as :func:`fused_combine` raises.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxcoll
+    >>> acc = jnp.full((1, 128), 3.0)
+    >>> jaxcoll.kernels.fused_combine_reference(acc, acc, op="max")[0, :2]
+    Array([3., 3.], dtype=float32)
+  """
   acc, recv = jnp.asarray(acc), jnp.asarray(recv)
   out_dtype = np.dtype(acc.dtype if out_dtype is None else out_dtype)
   spec = _check(acc, recv, op, scale, out_dtype, rounding, key, recv_exponents, True)
@@ -172,6 +200,26 @@ def stochastic_round(y, out_dtype, bits):
   so the probability is exact for every y in the normal range (the fraction has
   at most 23 - mantissa bits). Magnitudes below 2**-119 round on the grid of
   2**-126 (still unbiased). inf and NaN pass through.
+
+  Args:
+    y: float32 values.
+    out_dtype: bfloat16 or float16.
+    bits: uint32 random bits of ``y``'s shape (``jax.random.bits``).
+
+  Returns:
+    ``y`` rounded to ``out_dtype``, unbiased: the mean over keys is ``y``.
+
+  Raises:
+    ValueError: ``y`` not float32, an ``out_dtype`` that is neither, ``bits`` of another
+      shape or dtype.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxcoll
+    >>> y = jnp.full((4096,), 1.0 + 2.0 ** -10)           # between two bfloat16 values
+    >>> r = jaxcoll.kernels.stochastic_round(y, jnp.bfloat16,
+    ...                                      jax.random.bits(jax.random.key(0), y.shape))
+    >>> abs(float(r.astype(jnp.float32).mean()) - float(y[0])) < 2e-4
+    True
   """
   info = ml_dtypes.finfo(out_dtype)
   mag = jnp.abs(y)

@@ -157,7 +157,24 @@ PRIMITIVES = tuple(SPECS)
 
 
 def spec(primitive: str, *, argument: str = "primitive") -> CollectiveSpec:
-  """The spec of ``primitive``; ValueError naming ``argument`` for anything else."""
+  """The spec of ``primitive``; ValueError naming ``argument`` for anything else.
+
+  Args:
+    primitive: one of ``jaxcoll.PRIMITIVES``.
+    argument: the argument's name in the error.
+
+  Returns:
+    The primitive's :class:`CollectiveSpec`.
+
+  Raises:
+    ValueError: ``primitive`` is not a collective (the message names ``argument``).
+
+  Example:
+    >>> import jaxcoll
+    >>> s = jaxcoll.spec("all_gather")
+    >>> s.lax, s.message, s.message_bytes(1024, 8)
+    ('all_gather', 'output', 8192)
+  """
   try:
     return SPECS[primitive]
   except (KeyError, TypeError):

@@ -126,6 +126,22 @@ def algorithms(primitive: str, num_axes: int | None = None) -> tuple[str, ...]:
 
   With ``num_axes``, only those that run over that many mesh axes ("hierarchical"
   needs a tuple of at least two; every other algorithm runs over any number).
+
+  Args:
+    primitive: one of ``jaxcoll.PRIMITIVES``.
+    num_axes: keep only the algorithms that run over this many mesh axes.
+
+  Returns:
+    The names, registration order, "native" last (what ``algorithm=`` accepts besides
+    "auto", "schedule" and algorithm values).
+
+  Raises:
+    ValueError: ``primitive`` is not a collective.
+
+  Example:
+    >>> import jaxcoll
+    >>> jaxcoll.algorithms("broadcast")
+    ('ring', 'binomial_tree', 'scatter_allgather', 'native')
   """
   return (*(a.name for a in entries(primitive, num_axes)), NATIVE)
 

@@ -76,7 +76,28 @@ def _axes_tree(axis, params):
 def shard(params, num_shards: int, *, axis=0):
   """Every leaf of ``params`` as a :class:`Sharded`, padded along ``axis`` to a multiple of
   ``num_shards`` (scalars become 1-element vectors). ``axis``: an int for every leaf, or a
-  pytree prefix of ``params`` with an int per subtree. ``unshard(shard(p, n)) == p``."""
+  pytree prefix of ``params`` with an int per subtree. ``unshard(shard(p, n)) == p``.
+
+  Args:
+    params: a pytree of arrays.
+    num_shards: how many blocks each leaf is split into (the axis size).
+    axis: the dimension split (above).
+
+  Returns:
+    ``params`` with every leaf a :class:`Sharded` (the whole padded array).
+
+  Raises:
+    ValueError: ``num_shards`` below 1, an ``axis`` out of range or not matching
+      ``params``' structure.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    >>> params = {"w": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones(2)}
+    >>> s = jaxcoll.fsdp.shard(params, 4)
+    >>> s["w"].value.shape, s["w"].shape      # padded from 3 rows to 4
+    ((4, 2), (3, 2))
+  """
   check_int(num_shards, "num_shards", least=1)
   try:
     axes = _axes_tree(axis, params)
@@ -107,7 +128,25 @@ def _trim(s: Sharded, full):
 
 
 def unshard(sharded):
-  """The original parameters of a whole (not per-device) :func:`shard` result."""
+  """The original parameters of a whole (not per-device) :func:`shard` result.
+
+  Args:
+    sharded: what :func:`shard` returned (or a state's parameters gathered whole).
+
+  Returns:
+    The parameters, padding removed, other leaves as they are.
+
+  Raises:
+    ValueError: a :class:`Sharded` whose value is not the whole padded array.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    >>> params = {"w": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones(2)}
+    >>> back = jaxcoll.fsdp.unshard(jaxcoll.fsdp.shard(params, 4))
+    >>> bool(jnp.array_equal(back["w"], params["w"]))
+    True
+  """
   return jax.tree.map(lambda s: _trim(s, s.value) if _is_sharded(s) else s, sharded,
                       is_leaf=_is_sharded)
 
@@ -115,7 +154,25 @@ def unshard(sharded):
 def specs(sharded, axis_name):
   """PartitionSpecs matching ``sharded`` for shard_map's ``in_specs``/``out_specs`` (and
   ``NamedSharding``): each :class:`Sharded` split over ``axis_name`` along its axis, any
-  other leaf replicated."""
+  other leaf replicated.
+
+  Args:
+    sharded: a pytree holding :class:`Sharded` leaves (and any others).
+    axis_name: the mesh axis (or tuple) the blocks are split over.
+
+  Returns:
+    A pytree of ``PartitionSpec`` of the same structure.
+
+  Raises:
+    ValueError: a bad ``axis_name``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    >>> params = {"w": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones(2)}
+    >>> tuple(jaxcoll.fsdp.specs(jaxcoll.fsdp.shard(params, 4), "fsdp")["w"].value)
+    ('fsdp',)
+  """
   def spec(s):
     if not _is_sharded(s):
       return P()
@@ -124,7 +181,27 @@ def specs(sharded, axis_name):
 
 
 def place(sharded, mesh, axis_name):
-  """``sharded`` put on ``mesh``, each device holding its blocks (:func:`specs`)."""
+  """``sharded`` put on ``mesh``, each device holding its blocks (:func:`specs`).
+
+  Args:
+    sharded: what :func:`shard` returned.
+    mesh: the ``jax.sharding.Mesh``.
+    axis_name: its axis (or tuple) the blocks are split over.
+
+  Returns:
+    ``sharded`` with every array on ``mesh``, laid out as :func:`specs` says.
+
+  Raises:
+    ValueError: an axis not in ``mesh``, or blocks that do not divide among its devices.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    >>> params = {"w": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones(2)}
+    >>> placed = jaxcoll.fsdp.place(jaxcoll.fsdp.shard(params, 4), mesh, "fsdp")
+    >>> tuple(placed["w"].value.sharding.spec)
+    ('fsdp',)
+  """
   shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), specs(sharded, axis_name),
                            is_leaf=lambda x: isinstance(x, P))
   return jax.device_put(sharded, shardings)
@@ -270,6 +347,25 @@ def gather(params, axis_name, *, algorithm="auto", wire_dtype=None, grad_wire_dt
   Gradient: the VJP of each gather stage is a reduce-scatter of the cotangent over the same
   axes (a sum, as lax's all_gather transposes to psum_scatter), computed in float32 at least.
   Cost per stage of n devices (ring): forward (n-1)/n * M, backward the same.
+
+  Returns:
+    ``params`` with every :class:`Sharded` leaf gathered whole (its original shape, in
+    ``dtype`` when given); other leaves as they are.
+
+  Raises:
+    ValueError: a bad option, named (a ``secondary_axis`` that is not the innermost axis of
+      ``axis_name``, an unknown ``wire_dtype``, ...).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    >>> params = {"w": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones(2)}
+    >>> blocks = jaxcoll.fsdp.place(jaxcoll.fsdp.shard(params, 4), mesh, "fsdp")
+    >>> whole = jax.shard_map(lambda p: jaxcoll.fsdp.gather(p, "fsdp"), mesh=mesh,
+    ...                       in_specs=(jaxcoll.fsdp.specs(blocks, "fsdp"),),
+    ...                       out_specs=jax.P(), check_vma=False)(blocks)
+    >>> bool(jnp.array_equal(whole["w"], params["w"]))
+    True
   """
   options = check_options(algorithm, wire_dtype, grad_wire_dtype, dtype)
   return _map_sharded(lambda s, p: _assemble(s, _run(s.value, p), len(p)), params,
@@ -290,6 +386,29 @@ def layer(fn: Callable, axis_name, *, secondary_axis=None, algorithm="auto", wir
   (``lax.optimization_barrier``), so XLA cannot hoist every layer's gather to the start
   of the step. Peak memory: the blocks, the saved layer inputs, one layer's gathered
   parameters and gradients (two while XLA overlaps neighbours).
+
+  Args:
+    fn: ``fn(params, *args)``: the layer, on whole parameters.
+    axis_name: the FSDP mesh axis (or tuple).
+    secondary_axis, algorithm, wire_dtype, grad_wire_dtype, dtype: as :func:`gather`'s.
+
+  Returns:
+    ``layer(blocks, *args)``: ``fn`` on the gathered parameters, differentiable, with the
+    parameters' gradients reduce-scattered back to blocks.
+
+  Raises:
+    ValueError: a bad option, as :func:`gather` raises, or ``fn`` that is not callable.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    >>> params = {"w": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones(2)}
+    >>> blocks = jaxcoll.fsdp.place(jaxcoll.fsdp.shard(params, 4), mesh, "fsdp")
+    >>> dense = jaxcoll.fsdp.layer(lambda p, x: x @ p["w"] + p["b"], "fsdp")
+    >>> out = jax.shard_map(dense, mesh=mesh, in_specs=(jaxcoll.fsdp.specs(blocks, "fsdp"),
+    ...                     jax.P()), out_specs=jax.P(), check_vma=False)(blocks, jnp.ones(3))
+    >>> out
+    Array([ 7., 10.], dtype=float32)
   """
   options = check_options(algorithm, wire_dtype, grad_wire_dtype, dtype)
   if not callable(fn):

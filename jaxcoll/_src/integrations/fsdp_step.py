@@ -109,6 +109,20 @@ def train_step(loss_fn: Callable, optimizer, mesh, axis_name, *, gather_params: 
     A :class:`TrainStep`: ``state = step.init(params)``; ``state, loss = step(state,
     batch)`` (loss averaged over devices); ``step.params(state)`` the whole parameters.
     Gradients are the mean over devices, as data-parallel training's.
+
+  Raises:
+    ValueError: a bad mesh, axis or option, named; ``optimizer`` without ``init`` and
+      ``update``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    >>> loss = lambda p, batch: jnp.mean((batch @ p["w"]) ** 2)
+    >>> step = jaxcoll.fsdp.train_step(loss, optax.sgd(0.1), mesh, "fsdp")
+    >>> state = step.init({"w": jnp.ones((3, 2))})
+    >>> state, value = step(state, jnp.ones((8, 3)))
+    >>> float(value), step.params(state)["w"].shape
+    (9.0, (3, 2))
   """
   for name in gather_options:
     if name not in ("algorithm", "wire_dtype", "grad_wire_dtype", "secondary_axis", "dtype"):

@@ -63,6 +63,24 @@ def route(logits, k: int, *, renormalize: bool = True, num_experts: int | None =
   ``renormalize=False``; they have the logits' dtype. ``num_experts``: the E that
   :func:`dispatch` is given, checked against the router's width (``logits.shape[1]``), so
   a router wider than the experts is an error here rather than dropped pairs later.
+
+  Args:
+    logits: ``[T, E]`` router logits.
+    k: choices per token, ``1 <= k <= E``.
+    renormalize: renormalise the k gates to sum to 1.
+    num_experts: the E of :func:`dispatch`, checked against ``logits.shape[1]``.
+
+  Returns:
+    ``(expert_ids, gates)``, each ``[T, k]``.
+
+  Raises:
+    ValueError: ``logits`` not 2-D, ``k`` out of range, a ``num_experts`` that differs.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxcoll
+    >>> ids, gates = jaxcoll.moe.route(jnp.array([[0.0, 2.0, 1.0]]), 2)
+    >>> ids.tolist(), gates.sum().round(3).item()
+    ([[1, 2]], 1.0)
   """
   logits = jnp.asarray(logits)
   if logits.ndim != 2:
@@ -81,7 +99,24 @@ def route(logits, k: int, *, renormalize: bool = True, num_experts: int | None =
 
 def load_balancing_loss(logits, expert_ids):
   """Switch's auxiliary loss E * sum_e f_e * P_e: f_e the fraction of (token, choice) pairs
-  routed to expert e, P_e the mean router probability of e (1.0 when balanced)."""
+  routed to expert e, P_e the mean router probability of e (1.0 when balanced).
+
+  Args:
+    logits: ``[T, E]`` router logits.
+    expert_ids: ``[T, k]`` the chosen experts (:func:`route`).
+
+  Returns:
+    A float32 scalar (this device's; average it over the data axis as the loss is).
+
+  Raises:
+    ValueError: shapes that do not match.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxcoll
+    >>> logits = jnp.zeros((4, 2))                      # uniform router, balanced choices
+    >>> jaxcoll.moe.load_balancing_loss(logits, jnp.array([[0], [1], [0], [1]])).item()
+    1.0
+  """
   num_experts = logits.shape[-1]
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
   routed = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32)   # [T, k, E]
@@ -90,7 +125,22 @@ def load_balancing_loss(logits, expert_ids):
 
 
 def router_z_loss(logits):
-  """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2."""
+  """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2.
+
+  Args:
+    logits: ``[T, E]`` router logits.
+
+  Returns:
+    A float32 scalar.
+
+  Raises:
+    ValueError: ``logits`` not 2-D.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxcoll
+    >>> round(jaxcoll.moe.router_z_loss(jnp.zeros((3, 4))).item(), 4)   # log(4)^2
+    1.9218
+  """
   return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2)
 
 
@@ -249,6 +299,29 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
   Returns:
     ``(expert_inputs [E/N, N * C, d], state)``: for each local expert, C slots from each
     source device in device order (empty slots are zero), and a :class:`RoutingState`.
+
+  Raises:
+    ValueError: at trace time, naming the argument: shapes that do not match (``x`` not
+      ``[T, d]``, ``expert_ids`` not ``[T, k]``), experts that do not divide among the
+      devices, a capacity below 1, a ``chunk`` without a dropless dispatch, a bad algorithm
+      or wire format.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("expert",))
+    >>> def layer(x, logits):   # 4 experts, one per device; each doubles its tokens
+    ...   ids, gates = jaxcoll.moe.route(logits, 1)
+    ...   inputs, state = jaxcoll.moe.dispatch(x, ids, num_experts=4, capacity=None,
+    ...                                        axis_name="expert")
+    ...   out = jaxcoll.moe.combine(2 * inputs, state, gates)
+    ...   return out, jaxcoll.moe.total_dropped(state)[None]
+    >>> f = jax.shard_map(layer, mesh=mesh, in_specs=jax.P("expert"),
+    ...                   out_specs=(jax.P("expert"), jax.P()), check_vma=False)
+    >>> x = jnp.arange(32.0).reshape(16, 2)
+    >>> logits = jax.nn.one_hot(jnp.arange(16) % 4, 4)
+    >>> out, dropped = f(x, logits)
+    >>> bool(jnp.allclose(out, 2 * x)), int(dropped[0])
+    (True, 0)
   """
   axes = normalize_axes(axis_name)
   n = axis_size(axes)
@@ -312,7 +385,34 @@ def _gathered_table(expert_ids, state: RoutingState):
 
 def total_dropped(state: RoutingState):
   """The pairs every device of the axis dropped (``state.dropped`` summed over
-  ``state.axis_name``: one all_reduce of a scalar), the figure to log. Inside shard_map."""
+  ``state.axis_name``: one all_reduce of a scalar), the figure to log. Inside shard_map.
+
+  Args:
+    state: the :class:`RoutingState` of a dispatch.
+
+  Returns:
+    An int32 scalar, the same on every device.
+
+  Raises:
+    ValueError: outside the shard_map that bound ``state.axis_name``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("expert",))
+    >>> def layer(x, logits):   # 4 experts, one per device; each doubles its tokens
+    ...   ids, gates = jaxcoll.moe.route(logits, 1)
+    ...   inputs, state = jaxcoll.moe.dispatch(x, ids, num_experts=4, capacity=None,
+    ...                                        axis_name="expert")
+    ...   out = jaxcoll.moe.combine(2 * inputs, state, gates)
+    ...   return out, jaxcoll.moe.total_dropped(state)[None]
+    >>> f = jax.shard_map(layer, mesh=mesh, in_specs=jax.P("expert"),
+    ...                   out_specs=(jax.P("expert"), jax.P()), check_vma=False)
+    >>> x = jnp.arange(32.0).reshape(16, 2)
+    >>> logits = jax.nn.one_hot(jnp.arange(16) % 4, 4)
+    >>> out, dropped = f(x, logits)
+    >>> bool(jnp.allclose(out, 2 * x)), int(dropped[0])
+    (True, 0)
+  """
   return all_reduce(state.dropped, state.axis_name)
 
 
@@ -323,6 +423,37 @@ def combine(expert_outputs, state: RoutingState, gates, *, wire_dtype=None):
   contribute zero (``state.dropped`` counts them). The exchange runs in the outputs'
   dtype unless ``wire_dtype`` compresses it too (DeepEP keeps combine in bfloat16: the
   default, None, keeps the activations' precision); its algorithm is the dispatch's.
+
+  Args:
+    expert_outputs: the experts' outputs, ``[E/N, N * C, d]`` as :func:`dispatch` laid out
+      their inputs.
+    state: the :class:`RoutingState` :func:`dispatch` returned.
+    gates: ``[T, k]`` combine weights (:func:`route`'s).
+    wire_dtype: compress the combine exchange (``jaxcoll.WIRE_DTYPES``).
+
+  Returns:
+    ``[T, d]``: each token's gated sum of its experts' outputs, in the outputs' dtype.
+
+  Raises:
+    ValueError: ``expert_outputs`` or ``gates`` of a shape that does not match ``state``,
+      a bad ``wire_dtype``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("expert",))
+    >>> def layer(x, logits):   # 4 experts, one per device; each doubles its tokens
+    ...   ids, gates = jaxcoll.moe.route(logits, 1)
+    ...   inputs, state = jaxcoll.moe.dispatch(x, ids, num_experts=4, capacity=None,
+    ...                                        axis_name="expert")
+    ...   out = jaxcoll.moe.combine(2 * inputs, state, gates)
+    ...   return out, jaxcoll.moe.total_dropped(state)[None]
+    >>> f = jax.shard_map(layer, mesh=mesh, in_specs=jax.P("expert"),
+    ...                   out_specs=(jax.P("expert"), jax.P()), check_vma=False)
+    >>> x = jnp.arange(32.0).reshape(16, 2)
+    >>> logits = jax.nn.one_hot(jnp.arange(16) % 4, 4)
+    >>> out, dropped = f(x, logits)
+    >>> bool(jnp.allclose(out, 2 * x)), int(dropped[0])
+    (True, 0)
   """
   axes = normalize_axes(state.axis_name)
   n = axis_size(axes)

@@ -101,7 +101,26 @@ class MoEExplanation:
 def capacity(tokens: int, num_experts: int, k: int, factor: float = 1.0, *,
              multiple: int = 1) -> int:
   """Slots per expert per source device: ceil(k * tokens * factor / num_experts), rounded
-  up to a multiple of ``multiple`` (GShard's formula)."""
+  up to a multiple of ``multiple`` (GShard's formula).
+
+  Args:
+    tokens: T, tokens per device.
+    num_experts: E.
+    k: choices per token.
+    factor: the capacity factor f.
+    multiple: round up to a multiple of this.
+
+  Returns:
+    Slots per expert per source device, at least 1.
+
+  Raises:
+    ValueError: an argument that is not a positive number.
+
+  Example:
+    >>> import jaxcoll
+    >>> jaxcoll.moe.capacity(1024, 16, 2, 1.25)
+    160
+  """
   check_int(tokens, "tokens", least=0)
   for name, v in (("num_experts", num_experts), ("k", k), ("multiple", multiple)):
     check_int(v, name, least=1)
@@ -141,6 +160,21 @@ def explain_moe(x, k: int, *, num_experts: int, capacity: int, mesh, axis_name,
     mesh: a ``Mesh`` or ``{axis name: size}``; axis_name: the expert-parallel axis or tuple.
     wire_dtype, combine_wire_dtype: the exchanges' wire formats (dispatch's and combine's).
     profile: the profile to price with (default: the one auto uses).
+
+  Returns:
+    A :class:`MoEExplanation`: both formulations' collectives, each priced at its own
+    auto; ``.chosen`` is the formulation auto runs.
+
+  Raises:
+    ValueError: a bad shape, axis or option, named as :func:`dispatch` names them.
+
+  Example:
+    >>> import jax, jaxcoll
+    >>> why = jaxcoll.moe.explain(jax.ShapeDtypeStruct((1024, 512), "bfloat16"), 2,
+    ...                           num_experts=16, capacity=160, mesh={"expert": 8},
+    ...                           axis_name="expert", profile="cpu")
+    >>> why.chosen in ("all_to_all", "allgather")
+    True
   """
   if len(getattr(x, "shape", ())) != 2 or not hasattr(x, "dtype"):
     raise ValueError(f"x={x!r}: expected this device's tokens [T, d] (an array or a "

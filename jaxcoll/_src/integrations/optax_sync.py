@@ -54,6 +54,35 @@ def sync(axis_name, *, op: str = "mean", wire_dtype=None, error_feedback: bool =
   g + e and keeps e' = (g + e) - Q(g + e) (module docstring); integer leaves and leaves the
   format does not compress keep e = 0. Call ``update`` inside shard_map (or a step under
   :func:`jaxcoll.data_parallel`).
+
+  Args:
+    axis_name: the data-parallel mesh axis (or tuple).
+    op, bucket_bytes, first_bucket_bytes, algorithm, accumulate_dtype: as
+      :func:`jaxcoll.sync_gradients`'s.
+    wire_dtype: compress the gradients on the wire (``jaxcoll.WIRE_DTYPES``).
+    error_feedback: keep each device's compression error and send it with the next
+      step's gradients (only with ``wire_dtype``).
+
+  Returns:
+    An ``optax.GradientTransformation``; its state holds the residuals as a
+    :class:`jaxcoll.PerDevice` leaf (one row per device outside shard_map).
+
+  Raises:
+    ValueError: a bad option, named; ``error_feedback=True`` is accepted without a
+      ``wire_dtype`` (nothing to feed back: the state is empty).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    >>> tx = optax.chain(jaxcoll.optax.sync("data", wire_dtype="int8"), optax.sgd(1.0))
+    >>> def step(w, state, batch):
+    ...   g = jax.grad(lambda w: jnp.sum(w * batch))(w)
+    ...   updates, state = tx.update(g, state, w)
+    ...   return optax.apply_updates(w, updates), state, {}
+    >>> w, state, _ = jaxcoll.data_parallel(step, mesh)(jnp.zeros(2), tx.init(jnp.zeros(2)),
+    ...                                                 jnp.ones((4, 2)))
+    >>> w
+    Array([-1., -1.], dtype=float32)
   """
   check_options(op, bucket_bytes, first_bucket_bytes, algorithm, wire_dtype, accumulate_dtype)
   fmt = wire_format(wire_dtype, jnp.float32)

@@ -78,8 +78,9 @@ def explain_step(step, *args, **kwargs) -> StepReport:
   Args:
     step: a function made by :func:`jaxcoll.use` (a pjit-style step over sharded arrays, a
       shard_map program, or both).
-    *args, **kwargs: its arguments, as it will be called (arrays laid out on their mesh, or
+    *args: its arguments, as it will be called (arrays laid out on their mesh, or
       ``jax.ShapeDtypeStruct`` s with ``sharding=``).
+    **kwargs: its keyword arguments, likewise.
 
   Returns:
     A :class:`StepReport`: a line per jaxcoll collective (algorithm, bytes, the equation and
@@ -89,11 +90,16 @@ def explain_step(step, *args, **kwargs) -> StepReport:
   Raises:
     TypeError: ``step`` was not made by ``jaxcoll.use``.
 
-  Example::
-
-    report = jaxcoll.explain_step(jaxcoll.use(train_step, algorithm="ring"), params, batch)
-    print(report)            # one line per collective
-    assert report.xla_collectives == 0
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    >>> step = jax.jit(lambda w, x: w - 0.1 * jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w))
+    >>> w = jax.device_put(jnp.ones((8, 2)), NamedSharding(mesh, P()))
+    >>> x = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("data")))
+    >>> report = jaxcoll.explain_step(jaxcoll.use(step, algorithm="ring"), w, x)
+    >>> report.xla_collectives
+    0
   """
   if not callable(getattr(step, "lower", None)) or not getattr(step, "_jaxcoll_use", False):
     raise TypeError(f"explain_step(step={step!r}): expected a function made by jaxcoll.use "
