@@ -1,6 +1,6 @@
 """jaxcoll: custom collective communication for JAX, built from ppermute schedules."""
 
-from jaxcoll import distributed, fsdp, kernels, moe, optax, tools
+from jaxcoll import distributed, extend, fsdp, kernels, moe, optax, tools
 from jaxcoll._src.algorithms import algorithms, schedule
 from jaxcoll._src.algorithms.hierarchical import Hierarchical
 from jaxcoll._src.calibrate import calibrate
@@ -15,13 +15,13 @@ from jaxcoll._src.collectives import (
 )
 from jaxcoll._src.config import config
 from jaxcoll._src.explain import Explanation, Explanations, explain
-from jaxcoll._src.extend import register
 from jaxcoll._src.integrations.data_parallel import data_parallel
 from jaxcoll._src.integrations.per_device import PerDevice
 from jaxcoll._src.integrations.rewrite import use
 from jaxcoll._src.integrations.step_report import StepReport, explain_step
 from jaxcoll._src.integrations.sync import sync_gradients, sync_in_backward
 from jaxcoll._src.profile import Link, NativeTimes, Profile
+from jaxcoll._src.registration import register
 from jaxcoll._src.schedule import PRIMITIVES, AxisTraffic, Schedule, Step, Transfer
 from jaxcoll._src.spec import CollectiveSpec, spec
 from jaxcoll._src.table import Table
@@ -60,6 +60,7 @@ __all__ = (
     "distributed",
     "explain",
     "explain_step",
+    "extend",
     "fsdp",
     "kernels",
     "moe",

@@ -206,11 +206,7 @@ def run(op: str, sizes: Sequence[int], algorithms: Sequence[str] | str = "all", 
   if op not in OPS:
     raise ValueError(f"op={op!r}: expected one of {OPS}")
   mesh = mesh or jax.make_mesh((jax.device_count(),), ("x",))
-  axes = tuple(axes or mesh.axis_names)
-  for a in axes:
-    if a not in mesh.axis_names:
-      raise ValueError(f"axes: {a!r} is not an axis of the mesh {mesh.axis_names}")
-  axis_sizes = tuple(dict(mesh.shape)[a] for a in axes)
+  axes, axis_sizes = tools.axes_in_mesh(tuple(axes or mesh.axis_names), mesh, "axes")
   n = math.prod(axis_sizes)
   if profile is not None:
     profile = jaxcoll.Profile.resolve(profile, "--profile / run(profile=...)")

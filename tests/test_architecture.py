@@ -160,16 +160,15 @@ VERSION_MODULE = "jaxcoll._src.compat"   # reads jax internals, not jaxcoll's
 
 def internal_names(path: pathlib.Path) -> list[str]:
   """What an integration takes from jaxcoll that the public API (``jaxcoll``,
-  ``jaxcoll.tools``) does not offer: whole private modules, or names no public namespace
+  ``jaxcoll.extend``) does not offer: whole private modules, or names no public namespace
   exports."""
   import jaxcoll
-  import jaxcoll.tools
-  public = {id(getattr(ns, n)) for ns in (jaxcoll, jaxcoll.tools) for n in ns.__all__}
+  public = {id(getattr(ns, n)) for ns in (jaxcoll, jaxcoll.extend) for n in ns.__all__}
   out = []
   for node in ast.walk(ast.parse(path.read_text())):
     if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("jaxcoll"):
       continue
-    if node.module.startswith(("jaxcoll._src.integrations", "jaxcoll.tools")):
+    if node.module.startswith(("jaxcoll._src.integrations", "jaxcoll.extend")):
       continue
     module = importlib.import_module(node.module)
     for a in node.names:
@@ -189,7 +188,7 @@ def test_the_reader_sees_internal_names():
 @pytest.mark.parametrize("path", INTEGRATIONS, ids=lambda p: p.name)
 def test_integrations_use_only_the_public_api(path):
   """Training and MoE are built on what a user can import: the collectives, explain,
-  config and the building blocks in ``jaxcoll.tools``."""
+  config and the building blocks in ``jaxcoll.extend``."""
   assert not internal_names(path)
 
 

@@ -408,7 +408,7 @@ def test_valid_edge_values_give_lax_s_answer(primitive, n, shape, dtype, wire, d
   if primitive in ("reduce_scatter", "all_to_all") and not shape:
     shape = (1,)
   applies = wire is not None and jaxcoll.spec(primitive).wire and \
-      jaxcoll.tools.compresses(wire, dtype) and algorithm != "native"
+      jaxcoll.extend.compresses(wire, dtype) and algorithm != "native"
   if wire is not None and jaxcoll.spec(primitive).wire and not applies and \
       np.dtype(dtype) != np.dtype(getattr(ml_dtypes, wire, wire)):
     refused(lambda: run_both(primitive, n, shape, dtype, algorithm, wire), "wire_dtype")

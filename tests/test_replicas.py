@@ -1,4 +1,4 @@
-"""``jaxcoll.tools.varying``: which values of a per-device program differ between devices,
+"""``jaxcoll.extend.varying``: which values of a per-device program differ between devices,
 read off its jaxpr; and ``data_parallel`` refusing a step whose outputs are not synced.
 
 Reads jaxprs, so it runs on every supported jax (the quick subset)."""
@@ -22,12 +22,12 @@ NONE = frozenset()
 
 def outputs_vary(fn, *, check_vma=False, n=8):
   """``fn(w, b) -> tuple`` inside shard_map: w replicated, b per-device. The set of axes
-  each output varies over, by :func:`jaxcoll.tools.varying` on the whole program."""
+  each output varies over, by :func:`jaxcoll.extend.varying` on the whole program."""
   w, b = jnp.ones((4,), jnp.float32), jnp.arange(8 * 4, dtype=jnp.float32).reshape(8, 4)
   f = jax.shard_map(lambda w, b: fn(w, b[0]), mesh=mesh(n), in_specs=(P(), P(AXIS)),
                     out_specs=P(), check_vma=check_vma)
   closed = jax.make_jaxpr(f)(w, b)
-  return jaxcoll.tools.varying(closed.jaxpr, [NONE] * len(closed.consts), [NONE, X])
+  return jaxcoll.extend.varying(closed.jaxpr, [NONE] * len(closed.consts), [NONE, X])
 
 
 def differs_on_devices(fn, n=8) -> list[bool]:
@@ -88,7 +88,7 @@ def test_varying_is_per_axis_on_a_tuple():
                     in_specs=P(("node", "local")), out_specs=P(), check_vma=False)
   closed = jax.make_jaxpr(f)(jnp.ones(8))
   both = frozenset({"node", "local"})
-  assert jaxcoll.tools.varying(closed.jaxpr, [NONE] * len(closed.consts), [both]) == [
+  assert jaxcoll.extend.varying(closed.jaxpr, [NONE] * len(closed.consts), [both]) == [
       frozenset({"node"}), NONE]
 
 

@@ -278,3 +278,19 @@ def test_auto_never_picks_native_for_a_compressed_call():
                                     8, jit=False))(x)
   assert ppermute_bytes_per_rank(jaxpr, 8).max() > 0
   assert "psum" not in str(jaxpr)
+
+
+def test_a_wire_format_object_is_taken_where_a_name_is():
+  """Integrations pass the WireFormat they checked, not its name: the same program."""
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((8, 300)), jnp.float32)
+  by_name = per_device(lambda v: jaxcoll.all_reduce(v, "x", algorithm="ring", wire_dtype="int8",
+                                                    wire_block_size=64), 8)(x)
+  fmt = jaxcoll.WireFormat("int8", 64)
+  by_object = per_device(lambda v: jaxcoll.all_reduce(v, "x", algorithm="ring",
+                                                      wire_dtype=fmt), 8)(x)
+  np.testing.assert_array_equal(by_name, by_object)
+  assert wire.wire_format(fmt, np.float32) == fmt and wire.compresses(fmt, np.float32)
+  assert wire.wire_format(jaxcoll.WireFormat("bfloat16"), jnp.bfloat16) is None   # x's own
+  with pytest.raises(ValueError, match="wire_block_size=32 conflicts"):
+    per_device(lambda v: jaxcoll.all_reduce(v, "x", algorithm="ring", wire_dtype=fmt,
+                                            wire_block_size=32), 8)(x)

@@ -27,6 +27,14 @@ import numpy as np
 from jaxcoll._src.algorithms.registry import check_algorithm as algorithm  # noqa: F401
 
 
+def as_axes(names) -> tuple:
+  """One mesh axis name, a tuple or list of them, or None (no axis) as a tuple, unchecked:
+  how jaxpr parameters and PartitionSpec entries name axes."""
+  if names is None:
+    return ()
+  return tuple(names) if isinstance(names, (tuple, list)) else (names,)
+
+
 def axis_tuple(axis_name, where: str = "axis_name") -> tuple:
   """``axis_name`` (a mesh axis name, or a tuple or list of them) as a tuple: not empty,
   no repeats, every name a string."""

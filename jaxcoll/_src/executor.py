@@ -52,7 +52,7 @@ import numpy as np
 from jax import lax
 
 from jaxcoll._src import axes as axes_lib
-from jaxcoll._src import ops
+from jaxcoll._src import checks, ops
 from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.fused_combine import fused_combine
 from jaxcoll._src.plan import LOOP_MIN_STEPS, Phase, TransferPlan, plan
@@ -141,7 +141,7 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
   if not schedule.steps:
     return rows
   rank = lax.axis_index(axis_name)
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  axes = checks.as_axes(axis_name)
 
   def send(p: TransferPlan, rows, index):
     """(rows, message): the message to ppermute (encoded with a wire format; the sender's

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import jax
 
-from jaxcoll._src import compat
+from jaxcoll._src import checks, compat
 from jaxcoll._src.replicated import REPLICATED_PRIMITIVES
 
 Vary = frozenset   # the axes a value may differ over
@@ -43,8 +43,7 @@ _PER_DEVICE = {"axis_index": "axis_name", "ppermute": "axis_name", "all_to_all":
 
 
 def _axes(params, key: str) -> Vary:
-  names = params.get(key, ())
-  return frozenset(names if isinstance(names, (tuple, list)) else (names,))
+  return frozenset(checks.as_axes(params.get(key, ())))
 
 
 def varying(jaxpr, consts_vary: Sequence[Vary], in_vary: Sequence[Vary]) -> list[Vary]:

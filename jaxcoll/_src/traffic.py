@@ -97,8 +97,7 @@ def traffic(fn, mesh, *args, **kwargs) -> Traffic:
       other[name] = other.get(name, 0) + mult
     if name != "ppermute":
       return
-    axes = eqn.params["axis_name"]
-    axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+    axes = checks.as_axes(eqn.params["axis_name"])
     idx = [names.index(a) for a in axes]
     group = [shape[i] for i in idx]
     nbytes = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars)

@@ -161,11 +161,18 @@ def _unknown(wire_dtype, where: str):
 def wire_format(wire_dtype, dtype, block_size: int = DEFAULT_BLOCK_SIZE, *,
                 where: str = "wire_dtype") -> WireFormat | None:
   """The format for ``wire_dtype`` on ``dtype`` data; None where it sends ``dtype`` unchanged
-  (None, or ``dtype`` itself). The one place a wire format argument is read: errors name
-  ``where``."""
+  (None, or ``dtype`` itself). ``wire_dtype`` is a name, a dtype, or a :class:`WireFormat`
+  (which brings its own block size: a different ``block_size`` conflicts with it). The one
+  place a wire format argument is read: errors name ``where``."""
   if wire_dtype is None:
     return None
-  name = wire_name(wire_dtype, where)
+  if isinstance(wire_dtype, WireFormat):
+    if block_size not in (DEFAULT_BLOCK_SIZE, wire_dtype.block_size):
+      raise ValueError(f"{where}={wire_dtype!r} has block size {wire_dtype.block_size}; "
+                       f"wire_block_size={block_size} conflicts with it")
+    name, block_size = wire_dtype.name, wire_dtype.block_size
+  else:
+    name = wire_name(wire_dtype, where)
   dtype = np.dtype(dtype)
   if name == dtype.name:
     return None
@@ -184,7 +191,7 @@ def compresses(wire_dtype, dtype) -> bool:
   format (bfloat16), any floating data for a block-scaled one. Integers never compress."""
   if wire_dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     return False
-  name = wire_name(wire_dtype)
+  name = wire_dtype.name if isinstance(wire_dtype, WireFormat) else wire_name(wire_dtype)
   if name not in WIRE_DTYPES:
     _unknown(wire_dtype, "wire_dtype")
   fmt = WireFormat(name)

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src.collectives import all_reduce
 from jaxcoll._src.integrations.per_device import PerDevice, is_per_device
-from jaxcoll.tools import axes_in_mesh, check_int, varying
+from jaxcoll.extend import axes_in_mesh, check_int, varying
 
 
 def data_parallel(step: Callable, mesh: jax.sharding.Mesh, axis_name="data", *,
@@ -32,7 +32,7 @@ def data_parallel(step: Callable, mesh: jax.sharding.Mesh, axis_name="data", *,
   the axis; every other output is returned once, so it must be the same on every device.
 
   That is checked when the step is traced, not trusted: the step's jaxpr is read
-  (:func:`jaxcoll.tools.varying`) for what each output depends on, and an
+  (:func:`jaxcoll.extend.varying`) for what each output depends on, and an
   output (outside a ``PerDevice``) that depends on this device's batch without passing
   through a reduction over the axis is a ValueError naming it: a step that applies a
   plain optimizer to unsynced gradients would otherwise return one device's parameters,

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src.algorithms import algorithms
 from jaxcoll._src.collectives import all_gather, reduce_scatter
-from jaxcoll.tools import (
+from jaxcoll.extend import (
   check_algorithm,
   check_floating,
   check_int,

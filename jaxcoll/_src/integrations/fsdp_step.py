@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src.collectives import all_reduce
 from jaxcoll._src.integrations import fsdp
-from jaxcoll.tools import axes_in_mesh, axis_size, check_flag, normalize_axes
+from jaxcoll.extend import axes_in_mesh, axis_size, check_flag, normalize_axes
 
 
 class State(NamedTuple):

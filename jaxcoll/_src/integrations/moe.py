@@ -44,7 +44,7 @@ from jaxcoll._src.integrations.moe_cost import (
   check_sizes,
   explain_moe,
 )
-from jaxcoll.tools import (
+from jaxcoll.extend import (
   axis_size,
   axis_sizes,
   check_algorithm,

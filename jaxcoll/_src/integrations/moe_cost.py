@@ -33,7 +33,7 @@ import numpy as np
 from jaxcoll._src.explain import Explanation, explain
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.table import Table
-from jaxcoll.tools import (
+from jaxcoll.extend import (
   NATIVE_MARGIN,
   axes_in_mesh,
   check_int,

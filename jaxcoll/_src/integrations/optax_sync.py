@@ -26,7 +26,7 @@ from jaxcoll._src.integrations.sync import (
   check_options,
   sync_gradients,
 )
-from jaxcoll.tools import check_flag, compresses, wire_format
+from jaxcoll.extend import check_flag, compresses, wire_format
 
 try:
   from optax import GradientTransformation

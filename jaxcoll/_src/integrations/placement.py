@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
 
+from jaxcoll.extend import as_axes
+
 Axes = tuple[str, ...]
 
 
@@ -98,6 +100,6 @@ def from_spec(spec, ndim: int, manual: Sequence[str]) -> Placement:
   dims = []
   for d in range(ndim):
     entry = spec[d] if spec is not None and d < len(spec) else None
-    axes = entry if isinstance(entry, (tuple, list)) else (entry,) if entry else ()
+    axes = as_axes(entry)
     dims.append(tuple(a for a in axes if a in manual))
   return Placement(tuple(dims))

@@ -20,7 +20,7 @@ from jax import lax
 from jaxcoll._src.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from jaxcoll._src.integrations.placement import Axes, Placement
 from jaxcoll._src.integrations.sync import BUCKET_BYTES, sync_gradients
-from jaxcoll.tools import axis_size
+from jaxcoll.extend import axis_size
 
 
 @dataclasses.dataclass(frozen=True)

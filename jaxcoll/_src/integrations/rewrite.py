@@ -42,10 +42,12 @@ from jaxcoll._src.integrations.placement import from_spec
 from jaxcoll._src.integrations.varying import stack, vary
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.spec import PRIMITIVES
-from jaxcoll.tools import (
+from jaxcoll.extend import (
   NATIVE,
   SCHEDULE,
   ReportLine,
+  as_axes,
+  axes_in_mesh,
   check_axis_names,
   check_choice,
   check_flag,
@@ -97,8 +99,7 @@ class _Options:
 
   def wire_for(self, x) -> dict:
     """``wire_dtype=`` for a leaf the format compresses (the rest travel as they are)."""
-    return {"wire_dtype": self.wire.name} if self.wire and compresses(
-        self.wire.name, x.dtype) else {}
+    return {"wire_dtype": self.wire} if compresses(self.wire, x.dtype) else {}
 
   def vary(self, x, axes: tuple[str, ...]):
     """:func:`varying.vary` with this rewrite's algorithm and wire format for its sum."""
@@ -109,14 +110,13 @@ class _Options:
     return stack(x, mesh, axes, spec, *self._sum_options(axes))
 
   def _sum_options(self, axes) -> tuple:
-    return self.algorithm_for("all_reduce", axes), self.wire.name if self.wire else None
+    return self.algorithm_for("all_reduce", axes), self.wire
 
 
 def _manual(params, key: str = "axis_name") -> tuple[str, ...] | None:
   """The equation's axes (``params[key]``) as a tuple when every one is a manual
   (shard_map) axis here and no ``axis_index_groups`` are given, else None."""
-  axes = params[key]
-  axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+  axes = as_axes(params[key])
   manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
   if not axes or not set(axes) <= manual or params.get("axis_index_groups") is not None:
     return None
@@ -524,10 +524,7 @@ def _global_program(opts: _Options, closed, flat, in_tree, dynamic, out_tree):
     if not manual:
       return None
   else:
-    missing = [a for a in opts.axes if a not in names]
-    if missing:
-      raise ValueError(f"use(axes={opts.axes!r}): {missing[0]!r} is not an axis of the mesh "
-                       f"{names}")
+    axes_in_mesh(opts.axes, mesh, "use(axes=...)")
     manual = tuple(a for a in names if a in opts.axes)
     left = sorted({a for p in spmd.input_places(flat, names, given_in) for a in p.sharded}
                   - set(manual))

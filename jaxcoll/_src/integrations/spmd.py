@@ -45,7 +45,7 @@ from jaxcoll._src.integrations.spmd_rules import (
   keeps_partial,
   laid_out_as_asked,
 )
-from jaxcoll.tools import ReportLine, compresses, record_at, record_note, record_paused
+from jaxcoll.extend import ReportLine, compresses, record_at, record_note, record_paused
 
 
 @dataclasses.dataclass
@@ -275,8 +275,8 @@ def options_for(opts) -> Callable:
   gets, and the wire format where it compresses the data."""
   def options(primitive: str, axes, dtype) -> dict:
     out = {"algorithm": opts.algorithm_for(primitive, tuple(axes))}
-    if opts.wire is not None and compresses(opts.wire.name, dtype) and primitive != "all_to_all":
-      out["wire_dtype"] = opts.wire.name
+    if compresses(opts.wire, dtype) and primitive != "all_to_all":
+      out["wire_dtype"] = opts.wire
     return out
   return options
 

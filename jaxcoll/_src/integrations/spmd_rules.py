@@ -44,7 +44,7 @@ from jax import lax
 from jaxcoll._src import compat
 from jaxcoll._src.collectives import all_reduce
 from jaxcoll._src.integrations.placement import Local, Placement, from_spec, replicated
-from jaxcoll.tools import record_paused
+from jaxcoll.extend import record_paused
 
 
 class Refused(ValueError):

@@ -16,7 +16,7 @@ import dataclasses
 import re
 
 from jaxcoll._src.table import Table
-from jaxcoll.tools import ReportLine, format_size, recording
+from jaxcoll.extend import ReportLine, format_size, recording
 
 HLO_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                    "ragged-all-to-all", "collective-broadcast", "collective-permute")

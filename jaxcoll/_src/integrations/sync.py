@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxcoll._src.collectives import all_reduce
 from jaxcoll._src.integrations import buckets
-from jaxcoll.tools import (
+from jaxcoll.extend import (
   NATIVE,
   algorithm_of,
   check_algorithm,

@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src.collectives import all_reduce
-from jaxcoll.tools import compresses
+from jaxcoll.extend import compresses
 
 vary_p = Primitive("jaxcoll_vary")
 stack_p = Primitive("jaxcoll_stack")

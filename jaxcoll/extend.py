@@ -1,0 +1,83 @@
+"""jaxcoll.extend: the building blocks integrations are written with.
+
+What ``jaxcoll.use``, ``jaxcoll.fsdp``, ``jaxcoll.moe``, ``jaxcoll.optax`` and the gradient
+sync use besides the collectives, and what a user writing an integration of their own
+needs: axis names and sizes inside shard_map (:func:`normalize_axes`, :func:`axis_size`,
+:func:`axis_sizes`; :func:`as_axes` reads a jaxpr parameter's or a PartitionSpec entry's
+axes), varying/invariant typing (:func:`make_varying`, :func:`check_vma_enabled`; which
+values of a jaxpr differ between devices: :func:`varying`), argument checks
+(:func:`check_op`, :func:`check_choice`, :func:`check_algorithm`, :func:`check_axis_names`,
+:func:`check_accumulate`, :func:`check_int`, :func:`check_number`, :func:`check_flag`,
+:func:`check_floating`: each error names the argument), wire formats (:func:`wire_format`,
+which reads a ``wire_dtype=`` argument once into a :class:`jaxcoll.WireFormat` that the
+collectives then take as it is; :func:`compresses`), what one call would run
+(:func:`algorithm_of`), auto's margin over the lax collective (:data:`NATIVE_MARGIN`), the
+names of the lax collective and of auto among the schedules (:data:`NATIVE`,
+:data:`SCHEDULE`), meshes and their axes outside shard_map (:func:`mesh_shape`,
+:func:`axes_in_mesh`), sizes and times in words (:func:`format_size`,
+:func:`format_seconds`) and a step's report as it is traced (:class:`ReportLine`,
+:func:`recording`, :func:`record_paused`, :func:`record_at`, :func:`record_note`,
+:func:`record_in_use`).
+"""
+
+from jaxcoll._src.algorithms import NATIVE, SCHEDULE
+from jaxcoll._src.axes import normalize as normalize_axes
+from jaxcoll._src.axes import size as axis_size
+from jaxcoll._src.axes import sizes as axis_sizes
+from jaxcoll._src.checks import accumulate as check_accumulate
+from jaxcoll._src.checks import algorithm as check_algorithm
+from jaxcoll._src.checks import as_axes, axes_in_mesh, mesh_shape
+from jaxcoll._src.checks import axis_tuple as check_axis_names
+from jaxcoll._src.checks import flag as check_flag
+from jaxcoll._src.checks import floating as check_floating
+from jaxcoll._src.checks import integer as check_int
+from jaxcoll._src.checks import number as check_number
+from jaxcoll._src.collectives import algorithm_of
+from jaxcoll._src.config import check_choice
+from jaxcoll._src.dispatch import NATIVE_MARGIN
+from jaxcoll._src.ops import check_op
+from jaxcoll._src.record import Line as ReportLine
+from jaxcoll._src.record import at as record_at
+from jaxcoll._src.record import in_use as record_in_use
+from jaxcoll._src.record import note as record_note
+from jaxcoll._src.record import paused as record_paused
+from jaxcoll._src.record import recording
+from jaxcoll._src.replicas import varying
+from jaxcoll._src.replicated import check_vma_enabled, make_varying
+from jaxcoll._src.units import format_seconds, format_size
+from jaxcoll._src.wire import compresses, wire_format
+
+__all__ = (
+    "NATIVE",
+    "NATIVE_MARGIN",
+    "SCHEDULE",
+    "ReportLine",
+    "algorithm_of",
+    "as_axes",
+    "axes_in_mesh",
+    "axis_size",
+    "axis_sizes",
+    "check_accumulate",
+    "check_algorithm",
+    "check_axis_names",
+    "check_choice",
+    "check_flag",
+    "check_floating",
+    "check_int",
+    "check_number",
+    "check_op",
+    "check_vma_enabled",
+    "compresses",
+    "format_seconds",
+    "format_size",
+    "make_varying",
+    "mesh_shape",
+    "normalize_axes",
+    "record_at",
+    "record_in_use",
+    "record_note",
+    "record_paused",
+    "recording",
+    "varying",
+    "wire_format",
+)
