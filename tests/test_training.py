@@ -93,7 +93,7 @@ def test_sync_gradients_sum_on_a_registered_dataclass_and_an_optax_state():
 def test_bucket_plan_covers_every_leaf_once_in_reverse_order(sizes, bucket, first):
   leaves = [jax.ShapeDtypeStruct((s,), np.float32 if i % 3 else np.int32)
             for i, s in enumerate(sizes)]
-  plan = buckets.plan(leaves, bucket, first)
+  plan = buckets.assign(leaves, bucket, first)
   seen = sorted(i for b in plan for i in b.leaves)
   assert seen == list(range(len(leaves)))
   for b in plan:

@@ -36,7 +36,7 @@ class Bucket:
     return sum(self.sizes) * self.dtype.itemsize
 
 
-def plan(leaves, bucket_bytes: int, first_bucket_bytes: int | None = None) -> tuple[Bucket, ...]:
+def assign(leaves, bucket_bytes: int, first_bucket_bytes: int | None = None) -> tuple[Bucket, ...]:
   """Buckets for ``leaves`` (arrays or anything with ``shape`` and ``dtype``), in the order
   their reductions should be issued: the last leaves' bucket first."""
   first = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes

@@ -310,7 +310,7 @@ def check_options(algorithm, wire_dtype, grad_wire_dtype, dtype) -> dict:
               dtype=dtype)
 
 
-def _plans(sharded, axis_name, secondary_axis, options: dict):
+def _stages_of(sharded, axis_name, secondary_axis, options: dict):
   """Every :class:`Sharded` leaf's gather stages (:func:`_leaf_stages`)."""
   axes = normalize_axes(axis_name)
   if secondary_axis is None:   # one stage over every axis: the algorithm must run over them
@@ -369,7 +369,7 @@ def gather(params, axis_name, *, algorithm="auto", wire_dtype=None, grad_wire_dt
   """
   options = check_options(algorithm, wire_dtype, grad_wire_dtype, dtype)
   return _map_sharded(lambda s, p: _assemble(s, _run(s.value, p), len(p)), params,
-                      _plans(params, axis_name, secondary_axis, options))
+                      _stages_of(params, axis_name, secondary_axis, options))
 
 
 def layer(fn: Callable, axis_name, *, secondary_axis=None, algorithm="auto", wire_dtype=None,
@@ -415,19 +415,19 @@ def layer(fn: Callable, axis_name, *, secondary_axis=None, algorithm="auto", wir
     raise TypeError(f"layer: fn={fn!r}: expected a function fn(params, *args)")
   kept = 0 if secondary_axis is None else 1    # stages whose result forward keeps
 
-  plan = lambda sharded: _plans(sharded, axis_name, secondary_axis, options)   # noqa: E731
+  stages_of = lambda sharded: _stages_of(sharded, axis_name, secondary_axis, options)   # noqa: E731
 
-  def apply(sharded, plans, mids, args):
+  def apply(sharded, stages, mids, args):
     """fn on the parameters rebuilt from ``mids`` (each leaf's first ``kept`` stages done)."""
     full = _map_sharded(lambda s, p, m: _assemble(s, _run(m, p[kept:]), len(p)), sharded,
-                        plans, mids)
+                        stages, mids)
     return fn(full, *args)
 
   def forward(sharded, args):
     sharded, args = jax.lax.optimization_barrier((sharded, args))
-    plans = plan(sharded)
-    mids = _map_sharded(lambda s, p: _run(s.value, p[:kept]), sharded, plans)
-    return apply(sharded, plans, mids, args), (sharded, mids if kept else None, args)
+    stages = stages_of(sharded)
+    mids = _map_sharded(lambda s, p: _run(s.value, p[:kept]), sharded, stages)
+    return apply(sharded, stages, mids, args), (sharded, mids if kept else None, args)
 
   @jax.custom_vjp
   def run(sharded, *args):
@@ -435,10 +435,10 @@ def layer(fn: Callable, axis_name, *, secondary_axis=None, algorithm="auto", wir
 
   def run_bwd(res, ct):
     (sharded, mids, args), ct = jax.lax.optimization_barrier((res, ct))
-    plans = plan(sharded)
+    stages = stages_of(sharded)
     if mids is None:
       mids = _map_sharded(lambda s: s.value, sharded)
-    _, pull = jax.vjp(lambda m, *a: apply(sharded, plans, m, a), mids, *args)
+    _, pull = jax.vjp(lambda m, *a: apply(sharded, stages, m, a), mids, *args)
     d_mids, *d_args = pull(ct)
 
     def block_grad(s, p, d):   # through the kept stages: their reduce-scatters
@@ -447,7 +447,7 @@ def layer(fn: Callable, axis_name, *, secondary_axis=None, algorithm="auto", wir
       for stage in reversed(p[:kept]):
         (d,) = _gather_stage_bwd(stage, None, d)
       return dataclasses.replace(s, value=d)
-    return (_map_sharded(block_grad, sharded, plans, d_mids), *d_args)
+    return (_map_sharded(block_grad, sharded, stages, d_mids), *d_args)
 
   run.defvjp(lambda sharded, *args: forward(sharded, args), run_bwd)
   return run

@@ -341,9 +341,9 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
         check_int(chunk, "chunk", least=1, most=capacity)
   if isinstance(algorithm, str) and algorithm == "auto":
     sizes = dict(zip(axes, axis_sizes(axes)))
-    plan = explain_moe(x, k, num_experts=num_experts, capacity=chunk if dropless else capacity,
-                       mesh=sizes, axis_name=axes, wire_dtype=wire_dtype)
-    algorithm = ALLGATHER if plan.chosen == ALLGATHER else "auto"
+    priced = explain_moe(x, k, num_experts=num_experts, capacity=chunk if dropless else capacity,
+                         mesh=sizes, axis_name=axes, wire_dtype=wire_dtype)
+    algorithm = ALLGATHER if priced.chosen == ALLGATHER else "auto"
   slots, kept, counts = _slots(expert_ids, num_experts, capacity)
   if dropless and algorithm != ALLGATHER:
     most = all_reduce(jnp.max(counts), axis_name, op="max")

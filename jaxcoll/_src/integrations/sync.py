@@ -149,7 +149,7 @@ def sync_gradients(grads, axis_name, *, op: str = "mean", bucket_bytes: int = BU
   axes = normalize_axes(axis_name)
   leaves = _check_leaves(grads, axes, op, "grads")
   out = list(leaves)
-  for bucket in buckets.plan(leaves, bucket_bytes, first_bucket_bytes):
+  for bucket in buckets.assign(leaves, bucket_bytes, first_bucket_bytes):
     _reduce_bucket(bucket, leaves, out, axis_name, op, algorithm, wire_dtype, accumulate_dtype)
   return jax.tree.unflatten(jax.tree.structure(grads), out)
 
@@ -201,7 +201,7 @@ def sync_in_backward(params, axis_name, *, op: str = "mean", bucket_bytes: int =
   # only inexact leaves have cotangents (integers get float0 ones, nothing to sync)
   inexact = [x if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.zeros((0,), x.dtype)
              for x in leaves]
-  for bucket in buckets.plan(inexact, bucket_bytes, first_bucket_bytes):
+  for bucket in buckets.assign(inexact, bucket_bytes, first_bucket_bytes):
     if not jnp.issubdtype(bucket.dtype, jnp.inexact):
       continue
     members = tuple(leaves[i] for i in bucket.leaves)
@@ -227,7 +227,7 @@ def _synced_identity_bwd(axis_name, options, varying, _, cts):
   cts = list(cts)
   out = list(cts)
   opts = dict(options)
-  bucket = buckets.plan(cts, bucket_bytes=2**62)[0]   # the one bucket these leaves form
+  bucket = buckets.assign(cts, bucket_bytes=2**62)[0]   # the one bucket these leaves form
   _reduce_bucket(bucket, cts, out, axis_name, opts["op"], opts["algorithm"],
                  opts["wire_dtype"], opts["accumulate_dtype"])
   return (tuple(make_varying(o, axes) if v else o for o, v in zip(out, varying)),)
