@@ -251,7 +251,7 @@ def test_a_plain_call_inside_a_block_outlives_it_and_the_block_still_wins_inside
   before = config_lib.current()
   try:
     with jaxcoll.config(profile="dcn", algorithm={"all_reduce": "ring"}):
-      jaxcoll.config(profile="tpu-v5p-ici", algorithm={"all_gather": "bruck"})
+      plain = jaxcoll.config(profile="tpu-v5p-ici", algorithm={"all_gather": "bruck"})
       assert config_lib.current().profile.name == "dcn"                 # the block's own field
       assert config_lib.override("all_gather") == "bruck"               # the plain call's
       assert config_lib.override("all_reduce") == "ring"
@@ -259,7 +259,7 @@ def test_a_plain_call_inside_a_block_outlives_it_and_the_block_still_wins_inside
     assert config_lib.override("all_gather") == "bruck"
     assert config_lib.override("all_reduce") is None
   finally:
-    config_lib._global = before   # noqa: SLF001 (this test's own undo)
+    plain.__exit__(None, None, None)   # undoes the plain call
   assert config_lib.current() == before
 
 

@@ -277,11 +277,12 @@ def test_override_precedence(monkeypatch):
 
 def test_config_call_without_with_sets_the_profile():
   before = jaxcoll._src.config.current()
+  setting = jaxcoll.config(profile="dcn")
   try:
-    jaxcoll.config(profile="dcn")
     assert dispatch.profile_in_use().name == "dcn"
   finally:
-    jaxcoll._src.config._current = before
+    setting.__exit__(None, None, None)   # undoes the plain call
+  assert jaxcoll._src.config.current() == before
 
 
 def test_override_errors_name_the_source(monkeypatch):

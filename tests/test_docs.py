@@ -43,7 +43,10 @@ def test_page_examples_run(path):
   import numpy as np
   # the fenced blocks holding ">>>", one session per page; the pages' examples assume these
   # three imports (docs/index.md)
-  blocks = re.findall(r"```(?:python|pycon)?\n(>>> .*?)```", path.read_text(), re.S)
+  text = path.read_text()
+  blocks = re.findall(r"```(?:python|pycon)?\n(>>> .*?)```", text, re.S)
+  prompts = lambda t: len(re.findall(r"^>>> ", t, re.M))   # noqa: E731
+  assert prompts(text) == sum(map(prompts, blocks)), "a >>> example outside a python block"
   globs = {"jax": jax, "np": np, "jaxcoll": jaxcoll}
   _run([doctest.DocTestParser().get_doctest("\n".join(blocks), globs, path.name, str(path), 0)])
 

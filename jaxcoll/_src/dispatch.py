@@ -25,11 +25,10 @@ import math
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 
 from jaxcoll._src import algorithms as algorithms_lib
 from jaxcoll._src import config as config_lib
-from jaxcoll._src import cost, debug_log
+from jaxcoll._src import cost, debug_log, ops
 from jaxcoll._src import topology as topology_lib
 from jaxcoll._src.algorithms import NATIVE, SCHEDULE, call_options, check_algorithm
 from jaxcoll._src.profile import Profile
@@ -150,8 +149,7 @@ class Call:
     """The call of ``primitive`` on data of ``dtype`` whose message is ``nbytes``, with
     float32 partial sums (``accumulate``) or a :class:`WireFormat` (``wire``)."""
     compressed = wire is not None and math.prod(axis_sizes) > 1
-    scale = 1.0 if dtype is None or accumulate is None else \
-        np.dtype(accumulate).itemsize / np.dtype(dtype).itemsize
+    scale = 1.0 if dtype is None else ops.partial_sum_scale(dtype, accumulate)
     return cls(primitive, tuple(axis_names), tuple(int(s) for s in axis_sizes), nbytes, scale,
                wire.ratio(dtype) if compressed else 1.0, not compressed, description)
 
