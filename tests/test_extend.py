@@ -99,3 +99,16 @@ def test_a_builder_returning_something_else_is_named():
   assert "nothing" not in jaxcoll.algorithms("all_reduce")
   with pytest.raises(ValueError, match="no algorithm of that name"):
     jaxcoll.tools.unregister("all_reduce", "nothing")
+
+
+def test_a_failed_replacement_keeps_the_algorithm_it_would_replace(installed):
+  def wrong(n):
+    return jaxcoll.Schedule("all_reduce", NAME, n, 1, outside.chain_then_broadcast(n)
+                            .steps[:n - 1])
+  with pytest.raises(AssertionError, match="rank 1"):
+    jaxcoll.register("all_reduce", NAME, replace=True)(wrong)
+  assert NAME in jaxcoll.algorithms("all_reduce")
+  jaxcoll.schedule("all_reduce", NAME, 5).check()          # the original builder again
+  rows = jaxcoll.explain("all_reduce", jax.ShapeDtypeStruct((8,), np.float32), {"x": 8},
+                         "x").rows
+  assert NAME in {r.algorithm for r in rows}                # and auto weighs it again

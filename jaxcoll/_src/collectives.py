@@ -64,17 +64,14 @@ _scopes: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_scopes", defau
 def _decide(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None):
   """``(algorithm, schedule options, call description)`` for leaf ``x`` whose message is
   M = ``nbytes``: "auto" resolved (:func:`dispatch.decide`, the one decision)."""
-  sizes = axes_lib.sizes(axes)
-  compressed = wire is not None and np.prod(sizes) > 1
-  description = f"{x.dtype.name}[{','.join(map(str, x.shape))}]" + (
-      f" wire {wire.name}" if compressed else "")
-  call = dispatch.Call.of(primitive, axes, sizes, nbytes, x.dtype, accumulate=accumulate,
-                          wire=wire, description=description)
+  call = dispatch.Call.of(primitive, axes, axes_lib.sizes(axes), nbytes, x.dtype,
+                          accumulate=accumulate, wire=wire,
+                          description=f"{x.dtype.name}[{','.join(map(str, x.shape))}]")
   algo, options = dispatch.resolve(call, algorithm)
-  if compressed and algo == NATIVE:
+  if not call.native_allowed and algo == NATIVE:
     raise ValueError(f"algorithm={NATIVE!r} (the jax.lax collective) cannot send "
                      f"wire_dtype={wire.name!r}; use a schedule, e.g. 'ring', or 'auto'")
-  return algo, options, description
+  return algo, options, call.description
 
 
 def _resolve(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None):

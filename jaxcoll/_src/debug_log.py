@@ -21,6 +21,7 @@ import sys
 
 from jaxcoll._src import config as config_lib
 from jaxcoll._src.algorithms import NATIVE
+from jaxcoll._src.units import format_ms
 
 ENV_DEBUG = "JAXCOLL_DEBUG"
 LEVELS = ("INFO", "TRACE")
@@ -75,6 +76,6 @@ def decision(d) -> None:
   pricing = d.pricing
   log((call, d.label, pricing.profile.name, pricing.topology.label),
       f"{where}; links {pricing.topology.label}): {d.label}, predicted "
-      f"{d.chosen.predicted_s * 1e3:.3g} ms"
-      + ("" if d.label == NATIVE else f", native {native * 1e3:.3g} ms")
+      f"{format_ms(d.chosen.predicted_s)}"
+      + ("" if d.label == NATIVE else f", native {format_ms(native)}")
       + f" ({d.reason}), profile {pricing.profile.name or 'custom'}")

@@ -33,6 +33,7 @@ from jaxcoll._src import topology as topology_lib
 from jaxcoll._src.algorithms import NATIVE, SCHEDULE, call_options, check_algorithm
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.topology import Topology
+from jaxcoll._src.units import format_ms
 
 NATIVE_MARGIN = 1.25
 DEFAULT_PRESET = {"cpu": "cpu", "gpu": "h100-nvlink", "cuda": "h100-nvlink", "rocm": "h100-nvlink",
@@ -147,9 +148,12 @@ class Call:
   def of(cls, primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[int],
          nbytes: float, dtype=None, *, accumulate=None, wire=None, description: str = "") -> Call:
     """The call of ``primitive`` on data of ``dtype`` whose message is ``nbytes``, with
-    float32 partial sums (``accumulate``) or a :class:`WireFormat` (``wire``)."""
+    float32 partial sums (``accumulate``) or a :class:`WireFormat` (``wire``: compressed
+    wherever there is more than one device; ``description`` then names it too)."""
     compressed = wire is not None and math.prod(axis_sizes) > 1
     scale = 1.0 if dtype is None else ops.partial_sum_scale(dtype, accumulate)
+    if compressed:
+      description += f" wire {wire.name}"
     return cls(primitive, tuple(axis_names), tuple(int(s) for s in axis_sizes), nbytes, scale,
                wire.ratio(dtype) if compressed else 1.0, not compressed, description)
 
@@ -263,10 +267,6 @@ def decide(call: Call, algorithm="auto", pricing: Pricing | None = None, *,
                   pricing, overridden)
 
 
-def _ms(s: float) -> str:
-  return f"{s * 1e3:.3g} ms"
-
-
 def why(chosen: Candidate, weighed: Sequence[Candidate], *, trusted: bool,
         native_allowed: bool, profile_name: str) -> str:
   """The reason the model picked ``chosen`` out of ``weighed`` (native first), in words."""
@@ -277,11 +277,11 @@ def why(chosen: Candidate, weighed: Sequence[Candidate], *, trusted: bool,
             f"fastest schedule {best.label}")
   if not trusted:
     return (f"profile {profile_name or 'custom'} was not measured on this backend: native "
-            f"kept (fastest schedule {best.label}, predicted {_ms(best.predicted_s)})")
+            f"kept (fastest schedule {best.label}, predicted {format_ms(best.predicted_s)})")
   ratio = 1 / max(best.vs(native), 1e-30)
   placed = "" if not best.elsewhere_s else " under every placement of the hosts"
   if chosen is native:
-    return (f"fastest schedule {best.label} predicted {_ms(best.predicted_s)}, {ratio:.2f}x "
+    return (f"fastest schedule {best.label} predicted {format_ms(best.predicted_s)}, {ratio:.2f}x "
             f"native's speed{placed}; a schedule must be {NATIVE_MARGIN:g}x faster")
   return (f"{ratio:.2f}x faster than native{placed}; a schedule must be {NATIVE_MARGIN:g}x "
           "faster")

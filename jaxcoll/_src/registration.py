@@ -10,6 +10,7 @@ of ``check_sizes`` and every root, and, with a ``formula``, its steps and bytes 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
 
@@ -62,7 +63,7 @@ def register(primitive: str, name: str, *, num_axes: int = 1,
   facts = spec(primitive)
   if not isinstance(name, str) or not name.isidentifier() or name in RESERVED:
     raise ValueError(f"name={name!r}: expected an identifier other than {RESERVED}")
-  if any(a.name == name for a in registry.entries(primitive)) and not replace:
+  if _registered(primitive, name) is not None and not replace:
     raise ValueError(f"name={name!r}: {primitive} already has an algorithm of that name; "
                      "pass replace=True to replace it")
   if not isinstance(num_axes, int) or num_axes < 1:
@@ -80,7 +81,7 @@ def register(primitive: str, name: str, *, num_axes: int = 1,
     if not callable(builder):
       raise ValueError(f"register({primitive!r}, {name!r}) decorates a builder "
                        f"builder(axis_size, **options) -> Schedule, not {builder!r}")
-    before = next((a for a in registry.entries(primitive) if a.name == name), None)
+    before = _registered(primitive, name)
     registry.register(primitive, name, num_axes=num_axes, tune=dict(tune or {}), stage=stage,
                       formula=formula, max_devices=max_devices)(builder)
     cost.clear_caches()
@@ -114,9 +115,15 @@ def _check(primitive: str, name: str, n: int, num_axes: int, formula, rooted: bo
                        f"{steps} and {fraction:g}")
 
 
+def _registered(primitive: str, name: str) -> registry.Algorithm | None:
+  return next((a for a in registry.entries(primitive) if a.name == name), None)
+
+
 def _metadata(algo: registry.Algorithm) -> dict:
-  return {f: getattr(algo, f) for f in ("num_axes", "tune", "stage", "native_like", "fit",
-                                        "formula", "variants", "label", "max_devices")}
+  """What :func:`registry.register` takes to register ``algo`` again: every field but the
+  three it is called with."""
+  return {f.name: getattr(algo, f.name) for f in dataclasses.fields(algo)
+          if f.name not in ("primitive", "name", "build")}
 
 
 def unregister(primitive: str, name: str) -> None:

@@ -32,6 +32,12 @@ def format_size(nbytes: float, *, compact: bool = False) -> str:
   return f"{int(nbytes)}" if compact else f"{nbytes:.0f} B"
 
 
+def format_ms(s: float) -> str:
+  """``0.00213`` -> "2.13 ms": three significant digits in milliseconds, whatever the size
+  (the debug log's and auto's reasons' unit, so that lines compare at a glance)."""
+  return f"{s * 1e3:.3g} ms"
+
+
 def format_seconds(s: float) -> str:
   """``0.0123`` -> "12.3 ms": three significant digits in s, ms, us or ns."""
   for unit, size in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):

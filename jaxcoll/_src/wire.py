@@ -145,8 +145,10 @@ class WireFormat:
 
 
 def wire_name(wire_dtype, where: str = "wire_dtype") -> str:
-  """The name of ``wire_dtype`` (a name, a dtype or a scalar type); ValueError naming
-  ``where`` unless numpy or ml_dtypes knows it."""
+  """The name of ``wire_dtype`` (a :class:`WireFormat`, a name, a dtype or a scalar type);
+  ValueError naming ``where`` unless numpy or ml_dtypes knows it."""
+  if isinstance(wire_dtype, WireFormat):
+    return wire_dtype.name
   try:
     return checks.dtype(wire_dtype, where).name
   except TypeError:
@@ -170,9 +172,8 @@ def wire_format(wire_dtype, dtype, block_size: int = DEFAULT_BLOCK_SIZE, *,
     if block_size not in (DEFAULT_BLOCK_SIZE, wire_dtype.block_size):
       raise ValueError(f"{where}={wire_dtype!r} has block size {wire_dtype.block_size}; "
                        f"wire_block_size={block_size} conflicts with it")
-    name, block_size = wire_dtype.name, wire_dtype.block_size
-  else:
-    name = wire_name(wire_dtype, where)
+    block_size = wire_dtype.block_size
+  name = wire_name(wire_dtype, where)
   dtype = np.dtype(dtype)
   if name == dtype.name:
     return None
@@ -191,7 +192,7 @@ def compresses(wire_dtype, dtype) -> bool:
   format (bfloat16), any floating data for a block-scaled one. Integers never compress."""
   if wire_dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     return False
-  name = wire_dtype.name if isinstance(wire_dtype, WireFormat) else wire_name(wire_dtype)
+  name = wire_name(wire_dtype)
   if name not in WIRE_DTYPES:
     _unknown(wire_dtype, "wire_dtype")
   fmt = WireFormat(name)
