@@ -462,3 +462,30 @@ def test_a_tuple_with_one_element_axes_gives_lax_s_answer(primitive, shape):
   for algorithm in (*jaxcoll.algorithms(primitive, num_axes=2), "auto"):
     np.testing.assert_array_equal(run(lambda v, a=algorithm: ours(v, a)), want,
                                   err_msg=algorithm)
+
+
+def test_documented_errors_of_the_fsdp_moe_and_kernel_helpers_are_raised():
+  """What the docstrings' Raises sections promise (each error names what is wrong)."""
+  from jaxcoll import fsdp, kernels, moe
+  params = {"w": jnp.ones((3, 2))}
+  blocks = fsdp.shard(params, 4)
+  with pytest.raises(ValueError, match=r"unshard: .*shape \(3, 2\).*\(1, 2\)"):
+    fsdp.unshard({"w": fsdp.Sharded(jnp.ones((1, 2)), (3, 2), 0)})
+  with pytest.raises(TypeError, match="axis_name=3"):
+    fsdp.specs(blocks, 3)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+  with pytest.raises(ValueError, match="axis_name='y' is not an axis of the mesh"):
+    fsdp.place(blocks, mesh, "y")
+  with pytest.raises(ValueError, match="does not split among 4 devices"):
+    fsdp.place(fsdp.shard(params, 3), mesh, "x")
+  with pytest.raises(ValueError, match=r"load_balancing_loss: expert_ids must be \[tokens, k\]"):
+    moe.load_balancing_loss(jnp.ones((2, 3)), jnp.zeros((3, 1), jnp.int32))
+  with pytest.raises(ValueError, match=r"load_balancing_loss: logits must be \[tokens"):
+    moe.load_balancing_loss(jnp.ones((2, 2, 3)), jnp.zeros((2, 2, 1), jnp.int32))
+  y, bits = jnp.ones(4), jnp.zeros(4, jnp.uint32)
+  with pytest.raises(ValueError, match="y has dtype float16"):
+    kernels.stochastic_round(y.astype(jnp.float16), jnp.bfloat16, bits)
+  with pytest.raises(ValueError, match="out_dtype=.*int8.*expected bfloat16 or float16"):
+    kernels.stochastic_round(y, jnp.int8, bits)
+  with pytest.raises(ValueError, match=r"bits: expected uint32 of y's shape \(4,\)"):
+    kernels.stochastic_round(y, jnp.bfloat16, bits[:3])

@@ -160,8 +160,9 @@ def calibrate(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DE
     profile=...)`` makes auto price with it; ``Profile.save`` keeps it.
 
   Raises:
-    ValueError: an axis not in ``mesh``, a size that is not a positive multiple of 4 x the
-      devices, a primitive that is not timed, or a call inside a trace.
+    ValueError: an axis not in ``mesh``, a size below 4 bytes per device, a ``reps`` below
+      1, a negative ``min_seconds``, a primitive that is not timed.
+    RuntimeError: a call inside jit, shard_map or another transformation.
 
   Example:
     >>> import jax, numpy as np, jaxcoll

@@ -221,6 +221,13 @@ def stochastic_round(y, out_dtype, bits):
     >>> abs(float(r.astype(jnp.float32).mean()) - float(y[0])) < 2e-4
     True
   """
+  if np.dtype(y.dtype) != np.float32:
+    raise ValueError(f"stochastic_round: y has dtype {np.dtype(y.dtype).name}; expected float32")
+  if np.dtype(out_dtype) not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+    raise ValueError(f"out_dtype={out_dtype!r}: expected bfloat16 or float16")
+  if tuple(bits.shape) != tuple(y.shape) or np.dtype(bits.dtype) != np.uint32:
+    raise ValueError(f"bits: expected uint32 of y's shape {tuple(y.shape)}, got "
+                     f"{np.dtype(bits.dtype).name}{list(bits.shape)}")
   info = ml_dtypes.finfo(out_dtype)
   mag = jnp.abs(y)
   exponent = (lax.bitcast_convert_type(mag, jnp.int32) >> 23) - 127

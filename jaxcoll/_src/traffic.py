@@ -71,7 +71,7 @@ def traffic(fn, mesh, *args, **kwargs) -> Traffic:
     crossing it; collectives it cannot count (lax's own) listed by name.
 
   Raises:
-    ValueError: ``mesh`` is not a mesh.
+    TypeError: ``mesh`` is not a mesh.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll

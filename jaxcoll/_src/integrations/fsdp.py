@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -44,7 +45,9 @@ from jax.sharding import PartitionSpec as P
 from jaxcoll._src.algorithms import algorithms
 from jaxcoll._src.collectives import all_gather, reduce_scatter
 from jaxcoll.extend import (
+  axes_in_mesh,
   check_algorithm,
+  check_axis_names,
   check_floating,
   check_int,
   normalize_axes,
@@ -147,8 +150,17 @@ def unshard(sharded):
     >>> bool(jnp.array_equal(back["w"], params["w"]))
     True
   """
-  return jax.tree.map(lambda s: _trim(s, s.value) if _is_sharded(s) else s, sharded,
-                      is_leaf=_is_sharded)
+  def whole(s):
+    if not _is_sharded(s):
+      return s
+    v, want = np.shape(s.value), s.shape or (1,)   # a scalar is sharded as a 1-vector
+    if len(v) != len(want) or any(a != b for d, (a, b) in enumerate(zip(v, want))
+                                  if d != s.axis) or v[s.axis] < want[s.axis]:
+      raise ValueError(f"unshard: a Sharded parameter of shape {s.shape} (axis {s.axis}) holds "
+                       f"a value of shape {v}; expected the whole padded array (outside "
+                       "shard_map, or gathered)")
+    return _trim(s, s.value)
+  return jax.tree.map(whole, sharded, is_leaf=_is_sharded)
 
 
 def specs(sharded, axis_name):
@@ -164,7 +176,7 @@ def specs(sharded, axis_name):
     A pytree of ``PartitionSpec`` of the same structure.
 
   Raises:
-    ValueError: a bad ``axis_name``.
+    ValueError, TypeError: a bad ``axis_name`` (named).
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
@@ -177,6 +189,7 @@ def specs(sharded, axis_name):
     if not _is_sharded(s):
       return P()
     return dataclasses.replace(s, value=P(*(None,) * s.axis, axis_name))
+  check_axis_names(axis_name)
   return jax.tree.map(spec, sharded, is_leaf=_is_sharded)
 
 
@@ -202,6 +215,12 @@ def place(sharded, mesh, axis_name):
     >>> tuple(placed["w"].value.sharding.spec)
     ('fsdp',)
   """
+  n = math.prod(axes_in_mesh(axis_name, mesh)[1])
+  for s in jax.tree.leaves(sharded, is_leaf=_is_sharded):
+    if _is_sharded(s) and np.shape(s.value)[s.axis] % n:
+      raise ValueError(f"place: a parameter padded to {np.shape(s.value)} along axis {s.axis} "
+                       f"does not split among {n} devices of axis_name={axis_name!r}; shard "
+                       f"it with num_shards={n}")
   shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), specs(sharded, axis_name),
                            is_leaf=lambda x: isinstance(x, P))
   return jax.device_put(sharded, shardings)

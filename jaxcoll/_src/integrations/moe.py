@@ -55,6 +55,14 @@ from jaxcoll.extend import (
 )
 
 
+def _logits(logits, where: str):
+  """``logits`` as an array, which must be ``[tokens, experts]``."""
+  logits = jnp.asarray(logits)
+  if logits.ndim != 2:
+    raise ValueError(f"{where}: logits must be [tokens, experts], got shape {logits.shape}")
+  return logits
+
+
 def route(logits, k: int, *, renormalize: bool = True, num_experts: int | None = None):
   """Top-k routing: ``(expert_ids [T, k] int32, gates [T, k])``.
 
@@ -82,9 +90,7 @@ def route(logits, k: int, *, renormalize: bool = True, num_experts: int | None =
     >>> ids.tolist(), gates.sum().round(3).item()
     ([[1, 2]], 1.0)
   """
-  logits = jnp.asarray(logits)
-  if logits.ndim != 2:
-    raise ValueError(f"route: logits must be [tokens, experts], got shape {logits.shape}")
+  logits = _logits(logits, "route")
   check_int(k, "k", least=1, most=logits.shape[1])
   check_flag(renormalize, "renormalize")
   if num_experts is not None and check_int(num_experts, "num_experts") != logits.shape[1]:
@@ -117,6 +123,10 @@ def load_balancing_loss(logits, expert_ids):
     >>> jaxcoll.moe.load_balancing_loss(logits, jnp.array([[0], [1], [0], [1]])).item()
     1.0
   """
+  logits, expert_ids = _logits(logits, "load_balancing_loss"), jnp.asarray(expert_ids)
+  if expert_ids.ndim != 2 or expert_ids.shape[0] != logits.shape[0]:
+    raise ValueError(f"load_balancing_loss: expert_ids must be [tokens, k] for logits of "
+                     f"shape {logits.shape}, got shape {expert_ids.shape}")
   num_experts = logits.shape[-1]
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
   routed = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32)   # [T, k, E]
@@ -128,13 +138,13 @@ def router_z_loss(logits):
   """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2.
 
   Args:
-    logits: ``[T, E]`` router logits.
+    logits: ``[..., E]`` router logits (every leading dimension averaged over).
 
   Returns:
     A float32 scalar.
 
   Raises:
-    ValueError: ``logits`` not 2-D.
+    Nothing of its own: any array with an expert axis is taken.
 
   Example:
     >>> import jax.numpy as jnp, jaxcoll

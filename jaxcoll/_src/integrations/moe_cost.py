@@ -111,10 +111,11 @@ def capacity(tokens: int, num_experts: int, k: int, factor: float = 1.0, *,
     multiple: round up to a multiple of this.
 
   Returns:
-    Slots per expert per source device, at least 1.
+    Slots per expert per source device (0 for no tokens).
 
   Raises:
-    ValueError: an argument that is not a positive number.
+    ValueError: a negative ``tokens``; ``num_experts``, ``k`` or ``multiple`` below 1; a
+      ``factor`` that is not a finite number above 0.
 
   Example:
     >>> import jaxcoll
