@@ -8,7 +8,9 @@ axes), varying/invariant typing (:func:`make_varying`, :func:`check_vma_enabled`
 values of a jaxpr differ between devices: :func:`varying`), argument checks
 (:func:`check_op`, :func:`check_choice`, :func:`check_algorithm`, :func:`check_axis_names`,
 :func:`check_accumulate`, :func:`check_int`, :func:`check_number`, :func:`check_flag`,
-:func:`check_floating`: each error names the argument), wire formats (:func:`wire_format`,
+:func:`check_floating`, :func:`check_rounding`: each error names the argument), rounding a
+reduction's result (:func:`round_to`, stochastically with a key; :func:`low_precision`:
+which dtypes it rounds), wire formats (:func:`wire_format`,
 which reads a ``wire_dtype=`` argument once into a :class:`jaxcoll.WireFormat` that the
 collectives then take as it is; :func:`compresses`), what one call would run
 (:func:`algorithm_of`), auto's margin over the lax collective (:data:`NATIVE_MARGIN`), the
@@ -44,6 +46,8 @@ from jaxcoll._src.record import paused as record_paused
 from jaxcoll._src.record import recording
 from jaxcoll._src.replicas import varying
 from jaxcoll._src.replicated import check_vma_enabled, make_varying
+from jaxcoll._src.rounding import check as check_rounding
+from jaxcoll._src.rounding import low_precision, round_to
 from jaxcoll._src.units import format_seconds, format_size
 from jaxcoll._src.wire import compresses, wire_format
 
@@ -66,10 +70,12 @@ __all__ = (
     "check_int",
     "check_number",
     "check_op",
+    "check_rounding",
     "check_vma_enabled",
     "compresses",
     "format_seconds",
     "format_size",
+    "low_precision",
     "make_varying",
     "mesh_shape",
     "normalize_axes",
@@ -78,6 +84,7 @@ __all__ = (
     "record_note",
     "record_paused",
     "recording",
+    "round_to",
     "varying",
     "wire_format",
 )

@@ -82,21 +82,47 @@ def test_decode_encode_is_idempotent_and_within_its_bound(name, seed, log_block,
   assert np.all(err <= fmt.relative_error * amax * (1 + 1e-6))
 
 
-@pytest.mark.parametrize("name", SCALED)
-def test_non_finite_blocks_decode_to_nan_and_zeros_stay_zero(name):
+def assert_non_finite_as(got, want):
+  """Every inf of ``want`` in ``got`` with its sign, every NaN a NaN, nothing else."""
+  for test in (np.isnan, np.isposinf, np.isneginf):
+    np.testing.assert_array_equal(test(got), test(want), err_msg=test.__name__)
+
+
+def finite_block_amax(x, b=B):
+  """Per value: its block's largest finite magnitude (blocks of b along the last axis)."""
+  *lead, length = x.shape
+  a = np.where(np.isfinite(x), np.abs(x.astype(np.float64)), 0.0)
+  m = a.reshape(*lead, length // b, b).max(-1, keepdims=True)
+  return np.broadcast_to(m, (*lead, length // b, b)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_non_finite_values_arrive_as_sent_and_their_blocks_stay_finite(name):
+  """An inf arrives with its sign and a NaN as NaN; the finite values of the same block are
+  scaled by the finite ones alone (within eps of the finite block maximum), zeros stay
+  zero, and decode(encode(.)) stays a fixed point."""
   fmt = jaxcoll.WireFormat(name, 4)
-  x = jnp.asarray([[1.0, np.inf, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0, 5.0, np.nan, 1.0, 1.0]],
-                  jnp.float32)
-  decoded = np.asarray(fmt.decode(*fmt.encode(x)))
-  assert np.isnan(decoded[0, :4]).all() and np.isnan(decoded[0, 8:]).all()
+  x = np.array([[1.0, np.inf, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0, 5.0, np.nan, 1.0, 1.0,
+                 -np.inf, 4.0, -7.0, 0.5, np.inf, -np.inf, np.nan, np.inf,
+                 1e-30, -np.inf, 3e-31, 1e38]], np.float32)
+  decoded = np.asarray(fmt.decode(*fmt.encode(jnp.asarray(x))))
+  assert_non_finite_as(decoded, x)
+  finite = np.isfinite(x)
+  err = np.abs(decoded - x)[finite]
+  assert np.all(err <= fmt.relative_error * finite_block_amax(x, 4)[finite] * (1 + 1e-6))
   np.testing.assert_array_equal(decoded[0, 4:8], 0.0)
+  again = np.asarray(fmt.decode(*fmt.encode(jnp.asarray(decoded))))
+  np.testing.assert_array_equal(again.view(np.uint32)[finite], decoded.view(np.uint32)[finite])
+  assert_non_finite_as(again, x)
 
 
-def test_bfloat16_wire_keeps_non_finite_values():
-  fmt = jaxcoll.WireFormat("bfloat16")
-  x = jnp.asarray([[np.inf, -np.inf, 1.0, np.nan]], jnp.float32)
-  decoded = np.asarray(fmt.decode(*fmt.encode(x)))
-  assert decoded[0, 0] == np.inf and decoded[0, 1] == -np.inf and np.isnan(decoded[0, 3])
+def test_error_feedback_residual_is_zero_where_the_value_is_not_finite():
+  fmt = jaxcoll.WireFormat("int8", 4)
+  x = jnp.asarray([1.0, np.inf, 0.3, np.nan, -np.inf, 2.0, 0.1, 0.7])
+  err = np.asarray(fmt.error(x))
+  np.testing.assert_array_equal(err[[1, 3, 4]], 0.0)
+  np.testing.assert_allclose(err[[0, 2, 5, 6, 7]], np.asarray(
+      x - fmt.round_trip(x))[[0, 2, 5, 6, 7]])
 
 
 # ---- compressed collectives ----
@@ -228,6 +254,45 @@ def test_hierarchical_compressed_over_two_axes():
   exact = x.astype(np.float64).sum(0)
   steps = jaxcoll.schedule("all_reduce", "hierarchical", 8, axis_sizes=(2, 4)).num_steps + 1
   assert np.all(np.abs(y - exact) <= steps * (1 / 127 + 2.0 ** -23) * block_amax(x))
+
+
+def with_non_finite(n, length, seed=0):
+  """Random data with infs that add up to +inf, -inf and NaN (inf - inf), a NaN, and infs in
+  otherwise finite blocks, placed on different devices."""
+  x = np.random.default_rng(seed).standard_normal((n, length)).astype(np.float32)
+  x[0, 3], x[n - 1, 3] = np.inf, -np.inf        # inf - inf: NaN
+  x[n - 1, 10] = np.inf                         # +inf
+  x[0, 30] = x[n // 2, 30] = -np.inf            # -inf twice: -inf
+  x[n // 2, 40] = np.nan                        # NaN
+  x[1 % n, length - 1] = -np.inf
+  return x
+
+
+NON_FINITE_CASES = [(p, name) for p in ("all_reduce", "reduce_scatter", "all_gather",
+                                        "all_to_all") for name in FORMATS]
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("primitive,name", NON_FINITE_CASES)
+def test_non_finite_values_come_out_where_lax_puts_them(primitive, name, n):
+  """Every algorithm of the primitive, compressed: inf, -inf and NaN exactly where lax's
+  uncompressed collective has them (inf - inf is NaN, as in lax), and every finite value
+  within (steps + 1) eps of the sum over devices of the finite block maxima."""
+  x = with_non_finite(n, B * n * 2)
+  names = algos(primitive)
+  f = per_device(lambda v: {a: jaxcoll.tools.flat_call(primitive, v, "x", a, wire_dtype=name)
+                            for a in names}, n)
+  want = per_device(lambda v: jaxcoll.tools.flat_call(primitive, v, "x", "native"), n)(x)
+  want = np.asarray(want)
+  for algorithm, got in f(x).items():
+    got = np.asarray(got)
+    assert_non_finite_as(got, want)
+    finite = np.isfinite(want)
+    steps = jaxcoll.schedule(primitive, algorithm, n).num_steps + 1
+    amax = finite_block_amax(x).sum(0).max()
+    bound = steps * (jaxcoll.WireFormat(name).relative_error + 2.0 ** -23) * amax
+    err = np.abs(got[finite] - want[finite])
+    assert np.all(err <= bound), (algorithm, err.max())
 
 
 @pytest.mark.parametrize("op", ["sum", "mean", "max"])

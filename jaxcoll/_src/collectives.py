@@ -26,6 +26,7 @@ from jax import lax
 from jaxcoll._src import axes as axes_lib
 from jaxcoll._src import checks, dispatch, layout, ops, record
 from jaxcoll._src import config as config_lib
+from jaxcoll._src import rounding as rounding_lib
 from jaxcoll._src import spec as spec_lib
 from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.algorithms import NATIVE, schedule
@@ -45,8 +46,14 @@ def _prepare(x, op: str | None):
   return x
 
 
-def _finish_mean(y, op: str, n: int):
-  return y / n if op == "mean" else y
+def _mean(y, op: str, n: int, key):
+  """The mean's division of a reduction ``y`` (else ``y``): rounded stochastically from
+  float32 with ``key`` for bfloat16/float16 (so a mean stays unbiased), else as lax's."""
+  if op != "mean":
+    return y
+  if key is None or not rounding_lib.low_precision(y.dtype):
+    return y / n
+  return rounding_lib.round_to(y.astype(jnp.float32) / n, y.dtype, key)
 
 
 def _replicated(y, axes, *, typed: bool = True):
@@ -61,11 +68,12 @@ def _replicated(y, axes, *, typed: bool = True):
 _scopes: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_scopes", default=None)
 
 
-def _decide(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None):
+def _decide(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None,
+            stochastic=False):
   """``(algorithm, schedule options, call description)`` for leaf ``x`` whose message is
   M = ``nbytes``: "auto" resolved (:func:`dispatch.decide`, the one decision)."""
   call = dispatch.Call.of(primitive, axes, axes_lib.sizes(axes), nbytes, x.dtype,
-                          accumulate=accumulate, wire=wire,
+                          accumulate=accumulate, wire=wire, stochastic=stochastic,
                           description=f"{x.dtype.name}[{','.join(map(str, x.shape))}]")
   algo, options = dispatch.resolve(call, algorithm)
   if not call.native_allowed and algo == NATIVE:
@@ -74,10 +82,12 @@ def _decide(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None):
   return algo, options, call.description
 
 
-def _resolve(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None):
+def _resolve(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None,
+             stochastic=False):
   """:func:`_decide`, recorded (:mod:`record`); the rest of the leaf's trace runs under
   ``jax.named_scope("jaxcoll.<primitive>.<algo>")`` (:func:`_map_leaves` holds the scope)."""
-  algo, options, call = _decide(primitive, algorithm, axes, x, nbytes, accumulate, wire)
+  algo, options, call = _decide(primitive, algorithm, axes, x, nbytes, accumulate, wire,
+                                stochastic)
   record.collective(primitive, axes, x.nbytes, algo, call)
   scopes = _scopes.get()
   if scopes is not None:
@@ -93,29 +103,35 @@ def _wire(wire_dtype, dtype, wire_block_size, accumulate):
   return fmt
 
 
-def _straight_through(fn, x, wire, *, linear: bool):
-  """``fn(x, wire)``, differentiated as ``fn(x, None)``: compression is invisible to
-  gradients (straight-through), which flow as through the uncompressed collective."""
+def _straight_through(fn, x, wire, key, *, linear: bool):
+  """``fn(x, wire, key)``, differentiated as ``fn(x, None, None)``: compression and
+  stochastic rounding are invisible to gradients (straight-through), which flow as through
+  the uncompressed collective rounded to nearest (uncompressed, jax differentiates the
+  rounding itself, which passes tangents straight through)."""
   if wire is None:
-    return fn(x, None)
+    return fn(x, None, key)
 
   @jax.custom_jvp
   def compressed(x):
-    return fn(x, wire)
+    return fn(x, wire, key)
 
   @compressed.defjvp
   def _(primals, tangents):
     (x,), (dx,) = primals, tangents
-    if linear:
-      return compressed(x), fn(dx, None)
-    return compressed(x), jax.jvp(lambda v: fn(v, None), (x,), (dx,))[1]
+    if linear and x.dtype.itemsize >= 4:   # fn is linear: its value at dx is the tangent
+      return compressed(x), fn(dx, None, None)
+    # (16-bit floats travel bitcast to integers, a primal reverse mode cannot transpose:
+    # their tangents take the ppermute's own JVP)
+    return compressed(x), jax.jvp(lambda v: fn(v, None, None), (x,), (dx,))[1]
 
   return compressed(x)
 
 
 def _run(primitive, algorithm, n, flat, axes, *, op="sum", root=0, accumulate=None,
-         options=None, wire=None):
-  """Runs ``algorithm``'s schedule on one rank's flat buffer; returns the final rows."""
+         options=None, wire=None, key=None):
+  """Runs ``algorithm``'s schedule on one rank's flat buffer; returns the final rows. With
+  ``key``, combines of bfloat16/float16 rows round stochastically (wider partial sums are
+  rounded once, by the caller)."""
   sched = schedule(primitive, algorithm, n, root=root, **(options or {}))
   if wire is not None:
     accumulate = jnp.promote_types(flat.dtype, jnp.float32)
@@ -125,19 +141,22 @@ def _run(primitive, algorithm, n, flat, axes, *, op="sum", root=0, accumulate=No
   rows = layout.place_own(jnp, rows, work, sched, lax.axis_index(axes))
   fused = config_lib.use_fused_kernel(rows.shape[1] * rows.dtype.itemsize, rows.dtype)
   rows = execute(sched, rows, axes, op=op, wire=wire, fused=fused,
-                 copy_dtype=None if accumulate is None else flat.dtype)
+                 copy_dtype=None if accumulate is None else flat.dtype, key=key)
+  if accumulate is not None and key is not None:   # as the copies rounded: by chunk
+    rows = rounding_lib.round_rows(rows, flat.dtype, rounding_lib.copy_key(key))
   return sched, rows
 
 
-def _map_leaves(fn, x):
-  """``fn`` on every leaf of ``x``, each in a scope :func:`_resolve` may name."""
+def _map_leaves(fn, x, keys=None):
+  """``fn(leaf, key)`` on every leaf of ``x`` (``keys``: one per leaf, default None), each in
+  a scope :func:`_resolve` may name."""
   leaves, tree = jax.tree.flatten(x)
   out = []
-  for leaf in leaves:
+  for leaf, key in zip(leaves, keys or [None] * len(leaves)):
     with contextlib.ExitStack() as scopes:
       token = _scopes.set(scopes)
       try:
-        out.append(fn(leaf))
+        out.append(fn(leaf, key))
       finally:
         _scopes.reset(token)
   return jax.tree.unflatten(tree, out)
@@ -145,15 +164,22 @@ def _map_leaves(fn, x):
 
 def _collective(primitive: str, x, axis_name, algorithm, *, native, finish, op=None,
                 check=None, move=None, root: int = 0, options=None, accumulate_dtype=None,
-                wire_dtype=None, wire_block_size: int = wire_lib.DEFAULT_BLOCK_SIZE):
+                wire_dtype=None, wire_block_size: int = wire_lib.DEFAULT_BLOCK_SIZE,
+                rounding: str = "nearest", key=None):
   """The one core every public collective runs: per leaf of ``x``, the argument checks,
   the algorithm (:func:`_resolve`), then ``native(leaf)`` (the lax collective) or the
   schedule on the leaf's flat buffer, compressed straight-through when ``wire_dtype`` says.
 
   ``check(leaf)`` raises on bad arguments; ``move(leaf)`` is the array whose flat buffer the
-  schedule runs on (default the leaf); ``finish(rows, schedule, leaf, moved)`` makes the
-  result from the final rows. M, the message size auto prices, follows the spec
-  (:meth:`CollectiveSpec.message_bytes`).
+  schedule runs on (default the leaf); ``finish(rows, schedule, leaf, moved, key)`` makes
+  the result from the final rows (a mean divides with :func:`_mean`). M, the
+  message size auto prices, follows the spec (:meth:`CollectiveSpec.message_bytes`).
+  ``rounding="stochastic"`` (reductions): each bfloat16/float16 leaf rounds with its own
+  key (:mod:`rounding`); where partial sums are wider (``accumulate_dtype``, a wire
+  format, the lax collective, which then reduces float32) the final rounding is the
+  stochastic one (:func:`rounding.round_rows`, as the schedule's copies of final values
+  round). A non-replicated result folds the device into the key of its mean's division
+  and of the lax collective's rounding.
   """
   facts = spec_lib.spec(primitive)
   axes = axes_lib.normalize(axis_name)
@@ -161,10 +187,15 @@ def _collective(primitive: str, x, axis_name, algorithm, *, native, finish, op=N
   move = move or (lambda v: v)
 
   checks.algorithm(primitive, algorithm, num_axes=len(axes))
+  leaves = [_prepare(v, op) for v in jax.tree.leaves(x)]
+  keys = None
   if facts.reduces:
     checks.choice(op, ops.OPS, "op")
+    key = rounding_lib.check(rounding, key, op=op, dtypes=[v.dtype for v in leaves])
+    rounding_lib.check_same_everywhere(key, axes)
+    keys = rounding_lib.leaf_keys(key, [v.dtype for v in leaves])
 
-  def leaf(x):
+  def leaf(x, key):
     x = _prepare(x, op)
     if check is not None:
       check(x)
@@ -173,19 +204,23 @@ def _collective(primitive: str, x, axis_name, algorithm, *, native, finish, op=N
     if x.size == 0:   # nothing to send: lax's (empty) answer whatever the algorithm
       return native(x)
     algo, chosen = _resolve(primitive, algorithm, axes, x, facts.message_bytes(x.nbytes, n),
-                            accumulate=acc, wire=fmt)
-    if algo == NATIVE:   # accumulate_dtype: lax's collective on the wider partial sums
-      return native(x) if acc is None else native(x.astype(acc)).astype(x.dtype)
+                            accumulate=acc, wire=fmt, stochastic=key is not None)
+    final = key if key is None or facts.replicated else jax.random.fold_in(
+        key, lax.axis_index(axes))
+    if algo == NATIVE:   # accumulate_dtype / stochastic: lax's collective on wider sums
+      wide = acc if acc is not None or key is None else np.dtype(np.float32)
+      return native(x) if wide is None else rounding_lib.round_to(
+          native(x.astype(wide)), x.dtype, final)
 
-    def run(x, wire):
+    def run(x, wire, key):
       moved = move(make_varying(x, axes))
       sched, rows = _run(primitive, algo, n, moved.reshape(-1), axes, op=op or "sum",
                          root=root, accumulate=acc, options=chosen | (options or {}),
-                         wire=wire)
-      return finish(rows, sched, x, moved)
-    return _straight_through(run, x, fmt, linear=op in (None, "sum", "mean"))
+                         wire=wire, key=key)
+      return finish(rows, sched, x, moved, None if key is None else final)
+    return _straight_through(run, x, fmt, key, linear=op in (None, "sum", "mean"))
 
-  return _map_leaves(leaf, x)
+  return _map_leaves(leaf, x, keys)
 
 
 def algorithm_of(primitive: str, x, axis_name, *, algorithm="auto", op: str | None = None,
@@ -216,7 +251,8 @@ def algorithm_of(primitive: str, x, axis_name, *, algorithm="auto", op: str | No
 
 def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
                accumulate_dtype=None, wire_dtype=None,
-               wire_block_size: int = wire_lib.DEFAULT_BLOCK_SIZE):
+               wire_block_size: int = wire_lib.DEFAULT_BLOCK_SIZE, rounding: str = "nearest",
+               key=None):
   """Reduces x over ``axis_name``; every device gets the result (like ``lax.psum``).
 
   Args:
@@ -236,8 +272,18 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
       re-encoded before each send. Replicas stay bit-identical; each encode errs
       by at most ``WireFormat.relative_error`` times its block's largest
       magnitude. Gradients are those of the uncompressed collective. x's own
-      dtype (or None) sends x uncompressed; "native" cannot compress.
+      dtype (or None) sends x uncompressed; "native" cannot compress. Non-finite values
+      arrive as lax's: an inf with its sign, a NaN as NaN, the finite values of their
+      block scaled without them (:mod:`jaxcoll.WireFormat`).
     wire_block_size: values per shared exponent (a power of two).
+    rounding: "nearest" (lax's) or "stochastic": each bfloat16/float16 combine, computed in
+      float32, rounds to one of its two neighbours with the probabilities that make it
+      unbiased (the mean over keys is the float32 result). Where partial sums are wider
+      (``accumulate_dtype``, a ``wire_dtype``, "native", which then reduces float32) the
+      one final rounding is the stochastic one. Other leaves round as lax's.
+    key: a ``jax.random`` key for "stochastic", the same on every device (replicas then
+      agree bit for bit); each leaf, step and chunk draws its own bits from it. Gradients
+      pass straight through the rounding.
 
   Returns:
     The reduction, typed invariant over ``axis_name``. Cost (ring): 2(N-1)
@@ -248,9 +294,11 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
     ValueError: at trace time, naming the argument: an axis no enclosing shard_map binds, an
       algorithm that does not run all_reduce over these axes, an ``op`` the dtype does not
       take, a ``wire_dtype`` that is not a wire format or that ``algorithm="native"`` cannot
-      send, an ``accumulate_dtype`` narrower than x's.
+      send, an ``accumulate_dtype`` narrower than x's, a ``rounding`` other than the two,
+      "stochastic" without a key, with op "max"/"min" or on data without a
+      bfloat16/float16 leaf, a key with "nearest".
     TypeError: an argument of the wrong kind (e.g. an algorithm that is neither a name nor
-      an algorithm value).
+      an algorithm value, a key that is not a ``jax.random`` key).
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
@@ -259,6 +307,11 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
     ...                   mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P())
     >>> f(jnp.arange(8.0))
     Array([12., 16.], dtype=float32)
+    >>> g = jax.shard_map(lambda v: jaxcoll.all_reduce(v, "x", rounding="stochastic",
+    ...                                                key=jax.random.key(0)),
+    ...                   mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P())
+    >>> g(jnp.full(4, 256.0, jnp.bfloat16) + jnp.array([0, 1, 1, 1], jnp.bfloat16)).dtype
+    dtype(bfloat16)
   """
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
@@ -268,18 +321,19 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
       return _replicated(jnp.prod(lax.all_gather(x, axes), axis=0, dtype=x.dtype), axes)
     return _NATIVE_REDUCE[op](x, axes)
 
-  def finish(rows, sched, x, _):
+  def finish(rows, sched, x, _, key):
     y = layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape).astype(x.dtype)
-    return _replicated(_finish_mean(y, op, n), axes)
+    return _replicated(_mean(y, op, n, key), axes)
 
   return _collective("all_reduce", x, axis_name, algorithm, native=native, finish=finish,
                      op=op, accumulate_dtype=accumulate_dtype, wire_dtype=wire_dtype,
-                     wire_block_size=wire_block_size)
+                     wire_block_size=wire_block_size, rounding=rounding, key=key)
 
 
 def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False,
                    op: str = "sum", algorithm: str = "auto", accumulate_dtype=None,
-                   wire_dtype=None, wire_block_size: int = wire_lib.DEFAULT_BLOCK_SIZE):
+                   wire_dtype=None, wire_block_size: int = wire_lib.DEFAULT_BLOCK_SIZE,
+                   rounding: str = "nearest", key=None):
   """Reduces x over ``axis_name`` and scatters the result (like ``lax.psum_scatter``).
 
   Device r gets block r of the reduction along ``scatter_dimension``: with
@@ -293,7 +347,9 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
     axis_name: a mesh axis of the enclosing shard_map, or a tuple of them.
     scatter_dimension: the dimension split among the devices.
     tiled: as ``lax.psum_scatter``'s (above).
-    op, algorithm, accumulate_dtype, wire_dtype, wire_block_size: as :func:`all_reduce`'s.
+    op, algorithm, accumulate_dtype, wire_dtype, wire_block_size, rounding, key: as
+      :func:`all_reduce`'s (the final rounding of each device's block also folds in the
+      device's index, so shards do not share their rounding noise).
 
   Returns:
     Device r's block of the reduction.
@@ -301,7 +357,8 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
   Raises:
     ValueError: at trace time, naming the argument: an axis no enclosing shard_map binds, an
       algorithm that does not run reduce_scatter over these axes, a ``scatter_dimension`` out
-      of range or not split evenly, an ``op`` the dtype does not take.
+      of range or not split evenly, an ``op`` the dtype does not take, a bad ``rounding`` or
+      ``key`` (as :func:`all_reduce`).
     TypeError: an argument of the wrong kind (e.g. an algorithm that is neither a name nor
       an algorithm value).
 
@@ -326,22 +383,22 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
   def native(x):
     d, extent = dim(x), x.shape[dim(x)]
     if op in ("sum", "mean"):
-      return _finish_mean(lax.psum_scatter(x, axes, scatter_dimension=d, tiled=tiled), op, n)
+      return _mean(lax.psum_scatter(x, axes, scatter_dimension=d, tiled=tiled), op, n, None)
     full = all_reduce(x, axis_name, op=op, algorithm=NATIVE)
     y = lax.dynamic_slice_in_dim(full, lax.axis_index(axes) * (extent // n), extent // n, d)
     return y if tiled else jnp.squeeze(y, d)
 
-  def finish(rows, sched, x, moved):
+  def finish(rows, sched, x, moved, key):
     b, d = sched.blocks_per_rank, dim(x)
     mine = lax.dynamic_slice_in_dim(rows, lax.axis_index(axes) * b, b, axis=0)
     y = layout.from_rows(jnp, mine, sched, moved.size).astype(x.dtype)
     y = jnp.moveaxis(y.reshape((x.shape[d] // n,) + moved.shape[1:]), 0, d)
-    return _finish_mean(y if tiled else jnp.squeeze(y, d), op, n)
+    return _mean(y if tiled else jnp.squeeze(y, d), op, n, key)
 
   return _collective("reduce_scatter", x, axis_name, algorithm, native=native, finish=finish,
                      check=check, move=lambda x: jnp.moveaxis(x, dim(x), 0), op=op,
                      accumulate_dtype=accumulate_dtype, wire_dtype=wire_dtype,
-                     wire_block_size=wire_block_size)
+                     wire_block_size=wire_block_size, rounding=rounding, key=key)
 
 
 def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: str = "auto",
@@ -399,7 +456,7 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: s
     return lax.all_gather(x, axes, axis=dim(x), tiled=tiled,
                           to="invarying" if to != "varying" else "varying")
 
-  def finish(rows, sched, x, _):
+  def finish(rows, sched, x, _, key):
     a = dim(x)
     y = layout.from_rows(jnp, rows, sched, x.size).reshape((n,) + x.shape).astype(x.dtype)
     y = jnp.moveaxis(y, 0, a)
@@ -449,14 +506,15 @@ def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "auto"):
     mine = jnp.where(lax.axis_index(axes) == root, wide, jnp.zeros_like(wide))
     return lax.psum(mine, axes).astype(x.dtype)
 
-  def finish(rows, sched, x, _):
+  def finish(rows, sched, x, _, key):
     return _replicated(layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape), axes)
 
   return _collective("broadcast", x, axis_name, algorithm, native=native, finish=finish,
                      root=root)
 
 
-def reduce(x, axis_name, *, root: int = 0, op: str = "sum", algorithm: str = "auto"):
+def reduce(x, axis_name, *, root: int = 0, op: str = "sum", algorithm: str = "auto",
+           rounding: str = "nearest", key=None):
   """The ``root`` device gets the reduction of x over the axis; every other device zeros.
 
   Cost (binomial_tree): ceil(log2 N) steps, M bytes per device;
@@ -468,6 +526,7 @@ def reduce(x, axis_name, *, root: int = 0, op: str = "sum", algorithm: str = "au
     root: the device that gets the reduction, ``0 <= root < N``.
     op: as :func:`all_reduce`'s.
     algorithm: as :func:`all_reduce`'s (names from ``algorithms("reduce")``).
+    rounding, key: as :func:`all_reduce`'s.
 
   Returns:
     The reduction at the root, zeros of its shape and dtype elsewhere.
@@ -475,7 +534,7 @@ def reduce(x, axis_name, *, root: int = 0, op: str = "sum", algorithm: str = "au
   Raises:
     ValueError: at trace time, naming the argument: an axis no enclosing shard_map binds, an
       algorithm that does not run reduce over these axes, a ``root`` outside ``[0, N)``, an
-      ``op`` the dtype does not take.
+      ``op`` the dtype does not take, a bad ``rounding`` or ``key`` (as :func:`all_reduce`).
     TypeError: an argument of the wrong kind (e.g. an algorithm that is neither a name nor
       an algorithm value).
 
@@ -496,12 +555,12 @@ def reduce(x, axis_name, *, root: int = 0, op: str = "sum", algorithm: str = "au
   def native(x):
     return at_root(make_varying(all_reduce(x, axis_name, op=op, algorithm=NATIVE), axes))
 
-  def finish(rows, sched, x, _):
-    return at_root(_finish_mean(layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape),
-                                op, n))
+  def finish(rows, sched, x, _, key):
+    y = layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape)
+    return at_root(_mean(y, op, n, key))
 
   return _collective("reduce", x, axis_name, algorithm, native=native, finish=finish, op=op,
-                     root=root)
+                     root=root, rounding=rounding, key=key)
 
 
 def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool = False,
@@ -562,7 +621,7 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
   def native(x):
     return lax.all_to_all(x, axes, split(x), concat(x), tiled=tiled)
 
-  def finish(rows, sched, x, moved):
+  def finish(rows, sched, x, moved, key):
     s, c = split(x), concat(x)
     y = layout.from_rows(jnp, rows, sched, moved.size).astype(x.dtype)
     y = jnp.moveaxis(y.reshape((n, x.shape[s] // n) + moved.shape[1:]), 1, s + 1)  # [source, .]
@@ -619,7 +678,7 @@ def shift(x, axis_name, offset: int = 1, *, wrap: bool = True, algorithm="auto")
   perm = [(i, (i + options["offset"]) % n) for i in range(n)
           if wrap or 0 <= i + options["offset"] < n]
 
-  def finish(rows, sched, x, _):
+  def finish(rows, sched, x, _, key):
     return layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape)
 
   return _collective("shift", x, axis_name, algorithm, finish=finish, options=options,

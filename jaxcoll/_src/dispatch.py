@@ -79,14 +79,17 @@ def profile_in_use(profile: Profile | str | None = None) -> Profile:
 
 def candidates(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[int],
                nbytes: float, profile: Profile, *, partial_sum_scale: float = 1.0,
-               topology: Topology | None = None):
+               native_scale: float | None = None, topology: Topology | None = None):
   """Every algorithm "auto" weighs, native first, with its predicted time
-  (:func:`cost.schedule_times`; ranks placed as ``topology`` says; default one process)."""
+  (:func:`cost.schedule_times`; ranks placed as ``topology`` says; default one process).
+  ``native_scale``: the lax collective's bytes over M where they differ from the schedules'
+  partial sums (stochastic rounding: it reduces float32)."""
   placements = (topology, *topology.alternatives) if topology is not None else (None,)
   natives, priced = [], []
+  native_scale = partial_sum_scale if native_scale is None else native_scale
   for placed in placements:
     natives.append(cost.predict_native(primitive, profile, axis_names, axis_sizes,
-                                       nbytes * partial_sum_scale, topology=placed))
+                                       nbytes * native_scale, topology=placed))
     priced.append(cost.schedule_times(primitive, profile, axis_names, axis_sizes, nbytes,
                                       partial_sum_scale=partial_sum_scale, topology=placed))
   out = [Candidate(NATIVE, NATIVE, (), natives[0], None, tuple(natives[1:]))]
@@ -133,6 +136,8 @@ class Call:
   ``nbytes`` is the message M (:meth:`CollectiveSpec.message_bytes`) of the data's dtype;
   :attr:`priced_bytes` what the schedules send of it (a wire format's ``ratio``).
   ``native_allowed`` is False under a compressed wire (the lax collective cannot send one).
+  ``native_scale``: the lax collective's partial sums over M where they differ from the
+  schedules' (stochastic rounding without ``accumulate``: it reduces float32).
   """
 
   primitive: str
@@ -143,19 +148,28 @@ class Call:
   wire_ratio: float = 1.0
   native_allowed: bool = True
   description: str = ""
+  native_scale: float | None = None
 
   @classmethod
   def of(cls, primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[int],
-         nbytes: float, dtype=None, *, accumulate=None, wire=None, description: str = "") -> Call:
+         nbytes: float, dtype=None, *, accumulate=None, wire=None, stochastic: bool = False,
+         description: str = "") -> Call:
     """The call of ``primitive`` on data of ``dtype`` whose message is ``nbytes``, with
     float32 partial sums (``accumulate``) or a :class:`WireFormat` (``wire``: compressed
-    wherever there is more than one device; ``description`` then names it too)."""
+    wherever there is more than one device; ``description`` then names it too), and
+    whether it rounds stochastically (then the lax collective reduces float32)."""
     compressed = wire is not None and math.prod(axis_sizes) > 1
     scale = 1.0 if dtype is None else ops.partial_sum_scale(dtype, accumulate)
+    native_scale = None
+    if stochastic:
+      description += " stochastic"
+      if accumulate is None:
+        native_scale = ops.partial_sum_scale(dtype, "float32")
     if compressed:
       description += f" wire {wire.name}"
     return cls(primitive, tuple(axis_names), tuple(int(s) for s in axis_sizes), nbytes, scale,
-               wire.ratio(dtype) if compressed else 1.0, not compressed, description)
+               wire.ratio(dtype) if compressed else 1.0, not compressed, description,
+               native_scale)
 
   @property
   def priced_bytes(self) -> float:
@@ -247,7 +261,7 @@ def decide(call: Call, algorithm="auto", pricing: Pricing | None = None, *,
     pricing = pricing or Pricing.of(axes, sizes)
     weighed = tuple(candidates(primitive, axes, sizes, call.priced_bytes, pricing.profile,
                                partial_sum_scale=call.partial_sum_scale,
-                               topology=pricing.topology))
+                               native_scale=call.native_scale, topology=pricing.topology))
   given = "overridden by jaxcoll.config / " + config_lib.ENV_ALGORITHM if overridden else \
       "the algorithm= argument"
   if algorithm == "auto" and one_device:

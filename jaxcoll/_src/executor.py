@@ -52,9 +52,9 @@ import numpy as np
 from jax import lax
 
 from jaxcoll._src import axes as axes_lib
-from jaxcoll._src import checks, ops
+from jaxcoll._src import checks, ops, rounding
 from jaxcoll._src import wire as wire_lib
-from jaxcoll._src.fused_combine import fused_combine
+from jaxcoll._src.fused_combine import fused_combine, fused_combine_reference
 from jaxcoll._src.plan import LOOP_MIN_STEPS, Phase, TransferPlan, plan
 from jaxcoll._src.schedule import Schedule
 from jaxcoll._src.spec import spec
@@ -111,7 +111,7 @@ def _write(rows, index, value, contiguous: bool):
 
 def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
             copy_dtype=None, wire: WireFormat | None = None, fused: bool = False,
-            loop_min_steps: int = LOOP_MIN_STEPS) -> jax.Array:
+            key=None, loop_min_steps: int = LOOP_MIN_STEPS) -> jax.Array:
   """Runs ``schedule`` on this rank's ``rows`` (``[C, L]``) inside shard_map.
 
   Args:
@@ -131,6 +131,11 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
       :mod:`jaxcoll._src.wire`).
     fused: run reduce combines (and their decode) as the Pallas kernel
       :func:`jaxcoll.kernels.fused_combine`.
+    key: round stochastically, with bits drawn from the key and the chunk alone (never
+      the device: :mod:`jaxcoll._src.rounding`): every reduce combine of bfloat16/float16
+      rows (bits of the step and first chunk combined, so devices combining the same chunks
+      in a step agree bit for bit), or, where rows hold wider partial sums, every copy to
+      ``copy_dtype``.
     loop_min_steps: phases at least this long run as a ``fori_loop``.
 
   Returns:
@@ -143,31 +148,46 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
   rank = lax.axis_index(axis_name)
   axes = checks.as_axes(axis_name)
 
+  def keep(p: TransferPlan, rows, index, data, kept):
+    """The sender's rows with ``kept`` (what its message carries) in place of ``data``."""
+    if p.senders is not None:   # ranks outside the permutation keep their rows
+      kept = jnp.where(_lookup(np.asarray(p.senders), rank), kept, data)
+    return _write(rows, index, kept.astype(rows.dtype), p.send_contiguous)
+
   def send(p: TransferPlan, rows, index):
     """(rows, message): the message to ppermute (encoded with a wire format; the sender's
-    rows then keep the decoded message where it reduces into them again)."""
+    rows then keep the decoded message where it reduces into them again). A copy of wider
+    partial sums is rounded to ``copy_dtype``, stochastically with ``key`` (bits of the
+    chunk alone), and then the sender keeps the rounded value too: every copy of a final
+    value is the same rounding of it."""
     data = _read(rows, index, p, p.send_contiguous)
     if wire is None:
-      cast = p.combine == "copy" and copy_dtype is not None
-      return rows, data.astype(copy_dtype) if cast else data
+      if p.combine != "copy" or copy_dtype is None:
+        return rows, data
+      if key is None:
+        return rows, data.astype(copy_dtype)
+      ids = index + jnp.arange(p.rows) if p.send_contiguous else index
+      sent = rounding.round_rows(data, copy_dtype, rounding.copy_key(key), ids)
+      return keep(p, rows, index, data, sent), sent
     values, exponents = wire.encode(data)
     message = wire_lib.pack(wire, values, exponents)
     if not p.sent_rows_reduced_into:
       return rows, message
-    kept = wire.decode(values, exponents)
-    if p.senders is not None:   # ranks outside the permutation keep their rows
-      kept = jnp.where(_lookup(np.asarray(p.senders), rank), kept, data)
-    return _write(rows, index, kept.astype(rows.dtype), p.send_contiguous), message
+    return keep(p, rows, index, data, wire.decode(values, exponents)), message
 
-  def receive(p: TransferPlan, rows, index, message):
+  def receive(p: TransferPlan, rows, index, message, key):
     """Combines ``message`` into this rank's rows ``index``; in a transfer that reaches some
     ranks only, the others (index: any valid rows) write back what they read."""
     old = _read(rows, index, p, p.recv_contiguous)
     exponents = None
     if wire is not None:
       message, exponents = wire_lib.unpack(wire, message, rows.shape[1])
-    if p.combine == "reduce" and fused:
-      data = fused_combine(old, message, op=op, recv_exponents=exponents)
+    if p.combine == "reduce" and (fused or key is not None):   # key: low-precision rows
+      stochastic = {} if key is None else dict(
+          rounding="stochastic",
+          key=rounding.chunk_key(key, index if p.recv_contiguous else index[0]))
+      data = (fused_combine if fused else fused_combine_reference)(
+          old, message, op=op, recv_exponents=exponents, **stochastic)
     else:
       data = message if wire is None else wire.decode(message, exponents)
       if p.combine == "reduce":
@@ -177,7 +197,9 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
       data = jnp.where(_lookup(np.asarray(p.receivers), rank), data, old)
     return _write(rows, index, data, p.recv_contiguous)
 
-  def run_step(phase: Phase, rows, t):
+  def run_step(phase: Phase, number: int, rows, t):
+    key_t = None if key is None or not rounding.low_precision(rows.dtype) else (
+        rounding.step_key(key, number, t))
     messages = []
     for p, table in zip(phase.transfers, phase.send):
       rows, message = send(p, rows, _lookup(table, t, rank))
@@ -186,16 +208,16 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
       rows, messages = lax.optimization_barrier((rows, messages))
     received = [ppermute(m, axes, p.perm) for p, m in zip(phase.transfers, messages)]
     for p, table, message in zip(phase.transfers, phase.recv, received):
-      rows = receive(p, rows, _lookup(table, t, rank), message)
+      rows = receive(p, rows, _lookup(table, t, rank), message, key_t)
     return rows
 
-  for phase in plan(schedule):
+  for number, phase in enumerate(plan(schedule)):
     if phase.num_steps >= loop_min_steps:
-      rows = lax.fori_loop(0, phase.num_steps,
-                           lambda t, rows, phase=phase: run_step(phase, rows, t), rows)
+      rows = lax.fori_loop(0, phase.num_steps, lambda t, rows, phase=phase, number=number:
+                           run_step(phase, number, rows, t), rows)
     else:
       for t in range(phase.num_steps):
-        rows = lax.optimization_barrier(run_step(phase, rows, t))
+        rows = lax.optimization_barrier(run_step(phase, number, rows, t))
   if wire is not None and spec(schedule.primitive).replicated:
     # A rank that computed or sent a final value may hold v where the others hold
     # decode(encode(v)); one more pass (a fixed point for the rest) makes them agree.

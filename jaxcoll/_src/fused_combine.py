@@ -60,6 +60,7 @@ class _Spec:
   stochastic: bool
   interpret: bool
   compiler: str | None = None
+  kernel: bool = True      # False: the jax.numpy reference (same math, same custom JVP)
 
 
 def fused_combine(acc, recv, *, op: str = "sum", scale: float | None = None, out_dtype=None,
@@ -81,7 +82,8 @@ def fused_combine(acc, recv, *, op: str = "sum", scale: float | None = None, out
       same bits.
     recv_exponents: int8 power-of-two exponents of a block-scaled ``recv``
       (``recv.shape[:-1] + (blocks,)``): value = recv * 2**e per block of
-      ``recv.shape[-1] // blocks``; exponent 127 decodes to NaN.
+      ``recv.shape[-1] // blocks``; a format's codes for inf and NaN decode to them
+      (:mod:`jaxcoll._src.wire`).
     interpret: run Pallas' interpreter; None: only where the backend cannot
       compile the kernel (CPU).
     compiler: on a GPU, Pallas' back end: "triton" or "mosaic_gpu" (where this jax has
@@ -151,7 +153,8 @@ def fused_combine_reference(acc, recv, *, op: str = "sum", scale: float | None =
     acc, recv = acc.reshape(-1, width), recv.reshape(-1, width)
     exps = scales(recv_exponents.reshape(-1, 1))
   bits = None if key is None else jax.random.bits(key, (acc.size,), jnp.uint32)
-  out = _math(spec, acc, recv, exps, None if bits is None else bits.reshape(acc.shape))
+  out = _fused(dataclasses.replace(spec, kernel=False), acc, recv, exps,
+               None if bits is None else bits.reshape(acc.shape))
   return out.reshape(shape)
 
 
@@ -299,7 +302,22 @@ def _compiler_params(compiler: str | None):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _fused(spec: _Spec, acc, recv, exps, bits):
-  return _pallas(spec, acc, recv, exps, bits)
+  """The kernel (or, ``spec.kernel`` False, the reference); gradients straight through the
+  rounding (the JVP below), as of the combine computed exactly."""
+  if spec.kernel and not _interpreter_cannot_type(spec, acc, recv, exps, bits):
+    return _pallas(spec, acc, recv, exps, bits)
+  return _math(spec, acc, recv, exps, bits)
+
+
+def _interpreter_cannot_type(spec: _Spec, acc, recv, exps, bits) -> bool:
+  """Whether Pallas' interpreter would fail jax's varying-axes check (inside shard_map,
+  jax 0.10 and 0.12: an operation of a varying value with a constant in the kernel body) on
+  the stochastic rounding's integer arithmetic or a scaled wire format's codes for inf and
+  NaN: then the reference runs, the same math and the same bits. Compiled kernels (GPU,
+  TPU) are unaffected; outside shard_map the interpreter runs them all."""
+  if not spec.interpret or not (spec.stochastic or exps is not None):
+    return False
+  return bool(_varying_type(*(x for x in (acc, recv, exps, bits) if x is not None)).varying)
 
 
 @_fused.defjvp

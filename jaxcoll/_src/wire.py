@@ -9,9 +9,9 @@ bytes and decodes it back to float32:
   block of ``block_size`` consecutive values of a row shares one power-of-two
   scale ``2**e``, stored as one int8 exponent (the E8M0 scale of the OCP
   Microscaling formats): ``e`` is the smallest exponent with
-  ``max|block| <= fmax * 2**e`` (fmax = 127, 448, 57344), values are scaled by
-  ``2**-e`` (exact) and rounded to nearest in the element type. About 1 byte a
-  value (1 + 1/block_size).
+  ``max|finite values of the block| <= fmax * 2**e`` (fmax = 126, 416, 57344),
+  values are scaled by ``2**-e`` (exact) and rounded to nearest in the element
+  type. About 1 byte a value (1 + 1/block_size).
 
 Why power-of-two scales: scaling by them is exact, so q = decode(encode(x)) is a
 fixed point, decode(encode(q)) == q bit for bit. A device that forwards a value
@@ -21,14 +21,22 @@ does) holds exactly what its receivers hold. That keeps the
 replicas of an all-reduce bit-identical for every schedule. The price is at most
 one bit of resolution against a float scale.
 
-Error of one encode/decode of a value in a block whose largest magnitude is A
-(:attr:`WireFormat.relative_error` is the factor eps in ``|error| <= eps * A``):
-bfloat16 2**-8 (relative to the value itself, so also to A), int8 1/127
-(the step is 2**e < 2A/127, half a step at most), float8_e4m3fn 2**-4 + 2**-18,
+Error of one encode/decode of a finite value in a block whose largest finite magnitude is
+A (:attr:`WireFormat.relative_error` is the factor eps in ``|error| <= eps * A``):
+bfloat16 2**-8 (relative to the value itself, so also to A), int8 1/126
+(the step is 2**e < 2A/126, half a step at most), float8_e4m3fn 2**-4 + 2**-17,
 float8_e5m2 2**-3 + 2**-31 (relative rounding, plus half the smallest
-subnormal times the scale). Non-finite values: bfloat16 keeps them; in a scaled
-format a block holding an inf or NaN decodes to NaN everywhere (the exponent
-127 marks it, as E8M0's 0xFF does), so overflow is never silently hidden.
+subnormal times the scale).
+
+Non-finite values arrive as they were sent, as lax's collectives deliver them: an inf
+with its sign, a NaN as NaN, and the finite values of the same block as if the inf or NaN
+were not there (the scale comes from the finite values alone). bfloat16 and float8_e5m2
+hold inf and NaN themselves; the other two reserve codes no finite value takes: int8
+sends finite values in [-126, 126] and +inf as 127, -inf as -127, NaN as -128;
+float8_e4m3fn sends finite values in [-416, 416] and +-inf as +-448 (its NaN is its own).
+So a reduction over a compressed wire overflows, cancels (inf - inf = NaN) and propagates
+NaN exactly where the uncompressed one does, and loss-scaling code that tells an overflow
+(inf) from a NaN reads the same answer.
 """
 
 from __future__ import annotations
@@ -45,10 +53,12 @@ from jaxcoll._src import checks
 
 WIRE_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
 DEFAULT_BLOCK_SIZE = 256
-_SCALED = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
-_EPS = {"bfloat16": 2.0 ** -8, "int8": 1 / 127, "float8_e4m3fn": 2.0 ** -4 + 2.0 ** -18,
+_SCALED = {"int8": 126.0, "float8_e4m3fn": 416.0, "float8_e5m2": 57344.0}   # finite range
+# codes of +inf, -inf and NaN in each scaled format (outside the finite range above)
+_SPECIAL = {"int8": (127.0, -127.0, -128.0), "float8_e4m3fn": (448.0, -448.0, math.nan),
+            "float8_e5m2": (math.inf, -math.inf, math.nan)}
+_EPS = {"bfloat16": 2.0 ** -8, "int8": 1 / 126, "float8_e4m3fn": 2.0 ** -4 + 2.0 ** -17,
         "float8_e5m2": 2.0 ** -3 + 2.0 ** -31}
-NAN_EXPONENT = 127   # exponent that marks a block holding inf or NaN
 MIN_EXPONENT = -126  # scales stay normal float32 numbers
 
 
@@ -110,12 +120,19 @@ class WireFormat:
   def round_trip(self, x):
     """decode(encode(x)) in x's shape and dtype: the value one send of x delivers, with
     blocks of ``block_size`` consecutive values of the flattened x (the last one padded).
-    ``x - round_trip(x)`` is the local compression error that error feedback keeps."""
+    :meth:`error` is the local compression error that error feedback keeps."""
     flat = jnp.ravel(x).astype(jnp.float32)
     b = self.block_length(flat.size) if self.scaled else 1
     rows = jnp.pad(flat, (0, -flat.size % b))[None]
     out = self.decode(*self.encode(rows))[0, :flat.size]
     return out.reshape(jnp.shape(x)).astype(x.dtype)
+
+  def error(self, x):
+    """``x - round_trip(x)``: what one send of x loses, which error feedback sends next
+    time; 0 where x is not finite (an inf or NaN arrives as it is: nothing to feed back,
+    and a NaN residual would poison every later step)."""
+    err = x - self.round_trip(x)
+    return jnp.where(jnp.isfinite(x), err, jnp.zeros_like(err))
 
   def encode(self, rows):
     """float32 rows ``[k, L]`` -> (values ``[k, L]`` in ``self.dtype``, int8 exponents
@@ -127,11 +144,16 @@ class WireFormat:
     b = self.block_length(length)
     blocks = rows.reshape(k, length // b, b)
     fmax = _SCALED[self.name]
-    e = _exponents(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), fmax)
-    scaled = jnp.clip(blocks * pow2(-jnp.minimum(e, 126)), -fmax, fmax)
+    finite = jnp.isfinite(blocks)
+    e = _exponents(jnp.max(jnp.where(finite, jnp.abs(blocks), 0.0), axis=-1, keepdims=True),
+                   fmax)
+    scaled = jnp.clip(blocks * pow2(-e), -fmax, fmax)
     if self.name == "int8":
       scaled = jnp.round(scaled)
-    return scaled.astype(self.dtype).reshape(k, length), e[..., 0].astype(jnp.int8)
+    pos_inf, neg_inf, nan = _SPECIAL[self.name]
+    special = jnp.where(jnp.isnan(blocks), nan, jnp.where(blocks > 0, pos_inf, neg_inf))
+    values = jnp.where(finite, scaled, special).astype(self.dtype)
+    return values.reshape(k, length), e[..., 0].astype(jnp.int8)
 
   def decode(self, values, exponents):
     """The float32 rows :meth:`encode` encoded (what every receiver computes, bit for bit):
@@ -205,30 +227,37 @@ def pow2(e):
 
 
 def _exponents(amax, fmax: float):
-  """Smallest e >= MIN_EXPONENT with amax <= fmax * 2**e; NAN_EXPONENT where amax is not finite."""
+  """Smallest e >= MIN_EXPONENT with amax <= fmax * 2**e (amax finite, >= 0)."""
   biased = lax.bitcast_convert_type(amax, jnp.int32) >> 23    # amax >= 0: no sign bit
   e = jnp.maximum(biased - 127 - math.floor(math.log2(fmax)), MIN_EXPONENT)
-  e = jnp.where(amax * pow2(-e) > fmax, e + 1, e)
-  return jnp.where(jnp.isfinite(amax), e, NAN_EXPONENT)
+  return jnp.where(amax * pow2(-e) > fmax, e + 1, e)
 
 
 def scales(exponents):
-  """float32 ``2**e`` of int8 exponents; NaN for ``NAN_EXPONENT``."""
-  e = exponents.astype(jnp.int32)
-  return jnp.where(e == NAN_EXPONENT, jnp.nan, pow2(jnp.minimum(e, 126)))
+  """float32 ``2**e`` of int8 exponents."""
+  return pow2(exponents.astype(jnp.int32))
 
 
 def dequantize(values, block_scales, dtype=jnp.float32):
   """``values`` as ``dtype`` times their block's scale: the one copy of the decode math.
 
-  ``block_scales`` (float32 ``2**e`` from :func:`scales`, NaN for a non-finite block)
-  broadcasts against ``values``: ``[..., 1]`` against blocks ``[..., B]``; None for an
-  unscaled format (the cast alone). It only casts and multiplies, so it runs alike on jax
-  arrays (:meth:`WireFormat.decode`) and on tiles loaded in the body of the Pallas fused
-  combine kernel, which decodes in its work dtype (float32 for float data up to 32 bits).
+  ``block_scales`` (float32 ``2**e`` from :func:`scales`) broadcasts against ``values``:
+  ``[..., 1]`` against blocks ``[..., B]``; None for an unscaled format (the cast alone).
+  The codes a scaled format keeps for +inf, -inf and NaN decode to them (module
+  docstring). Casts, products and selects only, so it runs alike on jax arrays
+  (:meth:`WireFormat.decode`) and on tiles loaded in the body of the Pallas fused combine
+  kernel, which decodes in its work dtype (float32 for float data up to 32 bits).
   """
+  name = np.dtype(values.dtype).name
   values = values.astype(dtype)
-  return values if block_scales is None else values * block_scales
+  if block_scales is None:
+    return values
+  out = values * block_scales
+  if name not in _SPECIAL or name == "float8_e5m2":   # e5m2's inf and NaN decode as they are
+    return out
+  pos_inf, neg_inf, nan = _SPECIAL[name]
+  out = jnp.where(values == pos_inf, jnp.inf, jnp.where(values == neg_inf, -jnp.inf, out))
+  return out if math.isnan(nan) else jnp.where(values == nan, jnp.nan, out)
 
 
 def pack(fmt: WireFormat, values, exponents):

@@ -26,13 +26,17 @@ ZeRO++'s three options (the gather's and layer's arguments):
 
 Precision: ``dtype=`` (e.g. bfloat16) casts the shards before the gather, so the wire and
 the layer see the compute dtype while the shards (the optimizer's master copy) keep theirs;
-gradients are reduced in float32 at least and arrive in the shards' dtype.
+gradients are reduced in float32 at least and arrive in the shards' dtype, rounded once:
+to nearest, or with ``rounding="stochastic"`` and a key (bfloat16/float16 shards) to one of
+the two neighbours with the probabilities that make it unbiased, each leaf, gather stage
+and device with its own bits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable
 
@@ -50,7 +54,9 @@ from jaxcoll.extend import (
   check_axis_names,
   check_floating,
   check_int,
+  check_rounding,
   normalize_axes,
+  round_to,
   wire_format,
 )
 
@@ -239,23 +245,27 @@ class _Stage:
   input_dtype: object      # the block's own (what its gradient comes back in)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _gather_stage(v, stage: _Stage):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gather_stage(v, key, stage: _Stage):
   """All blocks of ``v`` over ``stage.axes``, stacked: ``[n, *v.shape]`` in ``stage.dtype``.
-  VJP: the reduce-scatter of the cotangent, computed in float32 at least, in ``v``'s dtype."""
+  VJP: the reduce-scatter of the cotangent, computed in float32 at least, rounded once to
+  ``v``'s dtype (stochastically with ``key``, which each device folds its index into)."""
+  del key
   return all_gather(v.astype(stage.dtype), stage.axes, algorithm=stage.algorithm,
                     wire_dtype=stage.wire_dtype)
 
 
-def _gather_stage_fwd(v, stage):
-  return _gather_stage(v, stage), None
+def _gather_stage_fwd(v, key, stage):
+  return _gather_stage(v, key, stage), key
 
 
-def _gather_stage_bwd(stage, _, ct):
+def _gather_stage_bwd(stage, key, ct):
   wide = ct.astype(jnp.promote_types(ct.dtype, jnp.float32))
   reduced = reduce_scatter(wide, stage.axes, algorithm=stage.grad_algorithm,
                            wire_dtype=stage.grad_wire_dtype)
-  return (reduced.astype(stage.input_dtype),)
+  if key is not None:   # a shard of its own on each device: bits of its own
+    key = jax.random.fold_in(key, jax.lax.axis_index(stage.axes))
+  return round_to(reduced, stage.input_dtype, key), None
 
 
 _gather_stage.defvjp(_gather_stage_fwd, _gather_stage_bwd)
@@ -299,11 +309,17 @@ def _leaf_stages(s: Sharded, stages, options: dict) -> list[_Stage]:
   return out
 
 
-def _run(v, stages: list[_Stage]):
-  """``v`` through the gather stages (floating data differentiably, the rest without)."""
-  for stage in stages:
+def _stage_key(key, number: int):
+  """The key of a leaf's gather stage ``number`` (None: round to nearest)."""
+  return None if key is None else jax.random.fold_in(key, number)
+
+
+def _run(v, stages: list[_Stage], key=None, first: int = 0):
+  """``v`` through the gather stages (floating data differentiably, the rest without), the
+  first of them stage number ``first`` of the leaf (whose ``key`` rounds its gradients)."""
+  for number, stage in enumerate(stages, first):
     if jnp.issubdtype(v.dtype, jnp.inexact):
-      v = _gather_stage(v, stage)
+      v = _gather_stage(v, _stage_key(key, number), stage)
     else:
       v = jax.lax.stop_gradient(all_gather(v, stage.axes, algorithm=stage.algorithm))
   return v
@@ -343,8 +359,23 @@ def _map_sharded(f, *trees):
                       is_leaf=_is_sharded)
 
 
+def _with_keys(f, key):
+  """``f(s, *rest, leaf_key)`` for :func:`_map_sharded`: the n-th :class:`Sharded` leaf (in
+  tree order) gets ``key`` folded with n (None without a key)."""
+  numbers = itertools.count()
+  return lambda s, *rest: f(s, *rest, _stage_key(key, next(numbers)))
+
+
+def _check_rounding(rounding, key, sharded):
+  """The key gradients round with (None: to nearest); "stochastic" needs bfloat16/float16
+  shards (others reduce and arrive in float32 or wider, nothing to round)."""
+  dtypes = [s.value.dtype for s in jax.tree.leaves(sharded, is_leaf=_is_sharded)
+            if _is_sharded(s) and jnp.issubdtype(s.value.dtype, jnp.inexact)]
+  return check_rounding(rounding, key, dtypes=dtypes)
+
+
 def gather(params, axis_name, *, algorithm="auto", wire_dtype=None, grad_wire_dtype=None,
-           secondary_axis=None, dtype=None):
+           secondary_axis=None, dtype=None, rounding: str = "nearest", key=None):
   """Inside shard_map: the whole parameters of every :class:`Sharded` leaf of ``params``
   (other leaves pass through), like ``lax.all_gather(..., tiled=True)`` along each leaf's
   axis and cut to its original shape.
@@ -362,6 +393,9 @@ def gather(params, axis_name, *, algorithm="auto", wire_dtype=None, grad_wire_dt
       ``secondary_axis`` alone, which :func:`layer` keeps for backward.
     dtype: the compute dtype the blocks are cast to before they are sent (e.g.
       bfloat16 parameters from float32 shards); gradients come back in the shards' dtype.
+    rounding, key: "stochastic" with a ``jax.random`` key (the same on every device): the
+      gradients of bfloat16/float16 shards, reduced in float32, round to their dtype
+      stochastically (module docstring); "nearest" (default) as ``astype``.
 
   Gradient: the VJP of each gather stage is a reduce-scatter of the cotangent over the same
   axes (a sum, as lax's all_gather transposes to psum_scatter), computed in float32 at least.
@@ -373,7 +407,8 @@ def gather(params, axis_name, *, algorithm="auto", wire_dtype=None, grad_wire_dt
 
   Raises:
     ValueError: a bad option, named (a ``secondary_axis`` that is not the innermost axis of
-      ``axis_name``, an unknown ``wire_dtype``, ...).
+      ``axis_name``, an unknown ``wire_dtype``, "stochastic" without a key or without
+      bfloat16/float16 shards, ...).
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
@@ -387,12 +422,14 @@ def gather(params, axis_name, *, algorithm="auto", wire_dtype=None, grad_wire_dt
     True
   """
   options = check_options(algorithm, wire_dtype, grad_wire_dtype, dtype)
-  return _map_sharded(lambda s, p: _assemble(s, _run(s.value, p), len(p)), params,
+  key = _check_rounding(rounding, key, params)
+  return _map_sharded(_with_keys(lambda s, p, k: _assemble(s, _run(s.value, p, k), len(p)),
+                                 key), params,
                       _stages_of(params, axis_name, secondary_axis, options))
 
 
 def layer(fn: Callable, axis_name, *, secondary_axis=None, algorithm="auto", wire_dtype=None,
-          grad_wire_dtype=None, dtype=None) -> Callable:
+          grad_wire_dtype=None, dtype=None, rounding: str = "nearest") -> Callable:
   """``fn(params, *args)`` as an FSDP unit: ``layer(fn, axis)(sharded, *args)`` gathers
   ``sharded`` (:func:`gather`, with these options) and runs ``fn``, keeping for backward
   only its inputs (with hpZ, instead of the blocks, the copy sharded over
@@ -410,13 +447,15 @@ def layer(fn: Callable, axis_name, *, secondary_axis=None, algorithm="auto", wir
     fn: ``fn(params, *args)``: the layer, on whole parameters.
     axis_name: the FSDP mesh axis (or tuple).
     secondary_axis, algorithm, wire_dtype, grad_wire_dtype, dtype: as :func:`gather`'s.
+    rounding: as :func:`gather`'s; with "stochastic" the layer takes ``key=`` at each call.
 
   Returns:
-    ``layer(blocks, *args)``: ``fn`` on the gathered parameters, differentiable, with the
-    parameters' gradients reduce-scattered back to blocks.
+    ``layer(blocks, *args, key=None)``: ``fn`` on the gathered parameters, differentiable,
+    with the parameters' gradients reduce-scattered back to blocks (rounded with ``key``).
 
   Raises:
-    ValueError: a bad option, as :func:`gather` raises, or ``fn`` that is not callable.
+    ValueError: a bad option, as :func:`gather` raises, or ``fn`` that is not callable;
+      at a call, a ``key`` that the rounding does not take or lacks.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
@@ -432,41 +471,48 @@ def layer(fn: Callable, axis_name, *, secondary_axis=None, algorithm="auto", wir
   options = check_options(algorithm, wire_dtype, grad_wire_dtype, dtype)
   if not callable(fn):
     raise TypeError(f"layer: fn={fn!r}: expected a function fn(params, *args)")
+  if rounding != "stochastic":   # "stochastic" takes its key at each call
+    check_rounding(rounding, None)
   kept = 0 if secondary_axis is None else 1    # stages whose result forward keeps
 
   stages_of = lambda sharded: _stages_of(sharded, axis_name, secondary_axis, options)   # noqa: E731
 
-  def apply(sharded, stages, mids, args):
+  def apply(sharded, stages, mids, args, key):
     """fn on the parameters rebuilt from ``mids`` (each leaf's first ``kept`` stages done)."""
-    full = _map_sharded(lambda s, p, m: _assemble(s, _run(m, p[kept:]), len(p)), sharded,
-                        stages, mids)
+    full = _map_sharded(_with_keys(
+        lambda s, p, m, k: _assemble(s, _run(m, p[kept:], k, first=kept), len(p)), key),
+        sharded, stages, mids)
     return fn(full, *args)
 
-  def forward(sharded, args):
+  def forward(sharded, key, args):
     sharded, args = jax.lax.optimization_barrier((sharded, args))
     stages = stages_of(sharded)
     mids = _map_sharded(lambda s, p: _run(s.value, p[:kept]), sharded, stages)
-    return apply(sharded, stages, mids, args), (sharded, mids if kept else None, args)
+    return apply(sharded, stages, mids, args, key), (sharded, key, mids if kept else None,
+                                                     args)
 
   @jax.custom_vjp
-  def run(sharded, *args):
-    return forward(sharded, args)[0]
+  def run(sharded, key, *args):
+    return forward(sharded, key, args)[0]
 
   def run_bwd(res, ct):
-    (sharded, mids, args), ct = jax.lax.optimization_barrier((res, ct))
+    (sharded, key, mids, args), ct = jax.lax.optimization_barrier((res, ct))
     stages = stages_of(sharded)
     if mids is None:
       mids = _map_sharded(lambda s: s.value, sharded)
-    _, pull = jax.vjp(lambda m, *a: apply(sharded, stages, m, a), mids, *args)
+    _, pull = jax.vjp(lambda m, *a: apply(sharded, stages, m, a, key), mids, *args)
     d_mids, *d_args = pull(ct)
 
-    def block_grad(s, p, d):   # through the kept stages: their reduce-scatters
+    def block_grad(s, p, d, k):   # through the kept stages: their reduce-scatters
       if not jnp.issubdtype(s.value.dtype, jnp.inexact):
         return dataclasses.replace(s, value=np.zeros(s.value.shape, jax.dtypes.float0))
-      for stage in reversed(p[:kept]):
-        (d,) = _gather_stage_bwd(stage, None, d)
+      for number in reversed(range(kept)):
+        d, _ = _gather_stage_bwd(p[number], _stage_key(k, number), d)
       return dataclasses.replace(s, value=d)
-    return (_map_sharded(block_grad, sharded, stages, d_mids), *d_args)
+    return (_map_sharded(_with_keys(block_grad, key), sharded, stages, d_mids), None, *d_args)
 
-  run.defvjp(lambda sharded, *args: forward(sharded, args), run_bwd)
-  return run
+  run.defvjp(lambda sharded, key, *args: forward(sharded, key, args), run_bwd)
+
+  def call(sharded, *args, key=None):
+    return run(sharded, _check_rounding(rounding, key, sharded), *args)
+  return call

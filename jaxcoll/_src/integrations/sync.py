@@ -31,8 +31,10 @@ from jaxcoll.extend import (
   check_floating,
   check_int,
   check_op,
+  check_rounding,
   check_vma_enabled,
   compresses,
+  low_precision,
   make_varying,
   normalize_axes,
   wire_format,
@@ -65,29 +67,36 @@ def _check_leaves(tree, axes, op: str, argument: str) -> list:
 
 
 def check_options(op: str, bucket_bytes, first_bucket_bytes, algorithm, wire_dtype,
-                  accumulate_dtype) -> None:
+                  accumulate_dtype, rounding="nearest", key=None, dtypes=None):
   """The sync options, checked before anything is traced (each error names its argument):
-  what :func:`sync_gradients`, :func:`sync_in_backward` and ``jaxcoll.optax.sync`` take."""
+  what :func:`sync_gradients`, :func:`sync_in_backward` and ``jaxcoll.optax.sync`` take.
+  Returns the key stochastic rounding uses (None to nearest); ``dtypes``: the leaves' (one
+  must be bfloat16/float16 for stochastic rounding), None where not known yet."""
+  key = check_rounding(rounding, key, op=op, dtypes=dtypes)
   check_op(op, np.float32)
   check_int(bucket_bytes, "bucket_bytes", least=1)
   check_int(first_bucket_bytes, "first_bucket_bytes", least=1)
   check_algorithm("all_reduce", algorithm)
   wire_format(wire_dtype, np.float32)   # a known format (floating buckets use it)
   check_floating(accumulate_dtype, "accumulate_dtype")   # narrowing: per bucket, all_reduce
+  return key
 
 
 def _reduce_bucket(bucket: buckets.Bucket, leaves, out, axis_name, op, algorithm, wire_dtype,
-                   accumulate_dtype) -> None:
+                   accumulate_dtype, key=None) -> None:
   """One all_reduce of the bucket's leaves packed in one buffer; where that all_reduce is
   the lax collective, the job is one process and the leaves are large (at least
   ``UNPACKED_LEAF_BYTES`` on average), the leaves go to it as they are: XLA combines them
   into one all-reduce itself, and packing would copy every byte twice (8 CPU devices, 36
   leaves of 1 MiB: 54 ms unpacked, 201 ms packed; 200 leaves averaging 25 KiB: 65 ms
   unpacked, 40 ms packed). Across processes the packed buffer stays: gloo runs a combined
-  all-reduce one operand at a time (200 operands: 1.09 s against 61 ms for one bucket)."""
+  all-reduce one operand at a time (200 operands: 1.09 s against 61 ms for one bucket).
+  ``key``: a bfloat16/float16 bucket rounds stochastically with it (others to nearest)."""
   floating = jnp.issubdtype(bucket.dtype, jnp.floating)
   options = dict(op=op, accumulate_dtype=accumulate_dtype if floating else None,
                  wire_dtype=wire_dtype if compresses(wire_dtype, bucket.dtype) else None)
+  if key is not None and low_precision(bucket.dtype):
+    options.update(rounding="stochastic", key=key)
   packed = jax.ShapeDtypeStruct((sum(bucket.sizes),), bucket.dtype)
   large = bucket.nbytes >= UNPACKED_LEAF_BYTES * len(bucket.leaves)
   if large and jax.process_count() == 1 and algorithm_of(
@@ -103,7 +112,8 @@ def _reduce_bucket(bucket: buckets.Bucket, leaves, out, axis_name, op, algorithm
 
 def sync_gradients(grads, axis_name, *, op: str = "mean", bucket_bytes: int = BUCKET_BYTES,
                    first_bucket_bytes: int = FIRST_BUCKET_BYTES, algorithm="auto",
-                   wire_dtype=None, accumulate_dtype=None):
+                   wire_dtype=None, accumulate_dtype=None, rounding: str = "nearest",
+                   key=None):
   """All-reduces a gradient pytree over ``axis_name``, bucket by bucket (inside shard_map).
 
   Equal to ``jax.tree.map(lambda g: lax.pmean(g, axis_name), grads)`` (``op="sum"``:
@@ -127,14 +137,18 @@ def sync_gradients(grads, axis_name, *, op: str = "mean", bucket_bytes: int = BU
       buckets travel as they are.
     accumulate_dtype: e.g. "float32" for bfloat16 gradients (Megatron's
       ``grad_reduce_in_fp32``); applies to floating buckets.
+    rounding, key: "stochastic" with a ``jax.random`` key (the same on every device, a new
+      one each step): bfloat16/float16 buckets round each combine stochastically
+      (:func:`jaxcoll.all_reduce`), each bucket with its own bits; other buckets as lax.
 
   Returns:
     ``grads`` synced: the same pytree, shapes and dtypes, every leaf the ``op`` over the
     axis (typed as the leaf was: invariant stays invariant).
 
   Raises:
-    ValueError: a bad option (each named), a leaf already invariant inside
-      ``shard_map(check_vma=True)`` (jax summed it already), a non-array leaf.
+    ValueError: a bad option (each named; "stochastic" without a key or without a
+      bfloat16/float16 leaf), a leaf already invariant inside ``shard_map(check_vma=True)``
+      (jax summed it already), a non-array leaf.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
@@ -145,18 +159,21 @@ def sync_gradients(grads, axis_name, *, op: str = "mean", bucket_bytes: int = BU
     >>> f(jnp.arange(8.0))["w"]
     Array([3., 4.], dtype=float32)
   """
-  check_options(op, bucket_bytes, first_bucket_bytes, algorithm, wire_dtype, accumulate_dtype)
   axes = normalize_axes(axis_name)
   leaves = _check_leaves(grads, axes, op, "grads")
+  key = check_options(op, bucket_bytes, first_bucket_bytes, algorithm, wire_dtype,
+                      accumulate_dtype, rounding, key, [x.dtype for x in leaves])
   out = list(leaves)
-  for bucket in buckets.assign(leaves, bucket_bytes, first_bucket_bytes):
-    _reduce_bucket(bucket, leaves, out, axis_name, op, algorithm, wire_dtype, accumulate_dtype)
+  for i, bucket in enumerate(buckets.assign(leaves, bucket_bytes, first_bucket_bytes)):
+    _reduce_bucket(bucket, leaves, out, axis_name, op, algorithm, wire_dtype, accumulate_dtype,
+                   None if key is None else jax.random.fold_in(key, i))
   return jax.tree.unflatten(jax.tree.structure(grads), out)
 
 
 def sync_in_backward(params, axis_name, *, op: str = "mean", bucket_bytes: int = BUCKET_BYTES,
                      first_bucket_bytes: int = FIRST_BUCKET_BYTES, algorithm="auto",
-                     wire_dtype=None, accumulate_dtype=None):
+                     wire_dtype=None, accumulate_dtype=None, rounding: str = "nearest",
+                     key=None):
   """The identity on ``params`` whose VJP syncs the cotangents bucket by bucket.
 
   ``loss = loss_fn(jaxcoll.sync_in_backward(params, "data"), batch)``: then ``jax.grad``
@@ -171,6 +188,7 @@ def sync_in_backward(params, axis_name, *, op: str = "mean", bucket_bytes: int =
     axis_name: the data-parallel mesh axis (or tuple) of the enclosing shard_map.
     op, bucket_bytes, first_bucket_bytes, algorithm, wire_dtype, accumulate_dtype: as
       :func:`sync_gradients`'s.
+    rounding, key: as :func:`sync_gradients`'s (the key rounds the cotangents' buckets).
 
   Returns:
     ``params`` unchanged in value; gradients taken through it arrive synced.
@@ -189,9 +207,11 @@ def sync_in_backward(params, axis_name, *, op: str = "mean", bucket_bytes: int =
     >>> f(jnp.ones(2), jnp.arange(8.0))
     Array([3., 4.], dtype=float32)
   """
-  check_options(op, bucket_bytes, first_bucket_bytes, algorithm, wire_dtype, accumulate_dtype)
   axes = normalize_axes(axis_name)
   leaves = [jnp.asarray(x) for x in jax.tree.leaves(params)]
+  key = check_options(op, bucket_bytes, first_bucket_bytes, algorithm, wire_dtype,
+                      accumulate_dtype, rounding, key,
+                      [x.dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)])
   options = (("op", op), ("algorithm", algorithm), ("wire_dtype", wire_dtype),
              ("accumulate_dtype", None if accumulate_dtype is None
               else np.dtype(accumulate_dtype).name))
@@ -201,36 +221,39 @@ def sync_in_backward(params, axis_name, *, op: str = "mean", bucket_bytes: int =
   # only inexact leaves have cotangents (integers get float0 ones, nothing to sync)
   inexact = [x if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.zeros((0,), x.dtype)
              for x in leaves]
-  for bucket in buckets.assign(inexact, bucket_bytes, first_bucket_bytes):
+  for number, bucket in enumerate(buckets.assign(inexact, bucket_bytes, first_bucket_bytes)):
     if not jnp.issubdtype(bucket.dtype, jnp.inexact):
       continue
     members = tuple(leaves[i] for i in bucket.leaves)
     varying = tuple(bool(set(axes) <= set(jax.typeof(x).mat.varying)) for x in members)
-    synced = _synced_identity(members, axis_name, options, varying)
+    bucket_key = None if key is None else jax.random.fold_in(key, number)
+    synced = _synced_identity(members, bucket_key, axis_name, options, varying)
     for i, value in zip(bucket.leaves, synced):
       out[i] = value
   return jax.tree.unflatten(jax.tree.structure(params), out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _synced_identity(xs, axis_name, options, varying):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _synced_identity(xs, key, axis_name, options, varying):
+  """The identity on the bucket's leaves ``xs``; VJP: their cotangents synced (rounded with
+  ``key`` where it is not None)."""
   axes = normalize_axes(axis_name)
   return tuple(make_varying(x, axes) if check_vma_enabled(axes) else x for x in xs)
 
 
-def _synced_identity_fwd(xs, axis_name, options, varying):
-  return _synced_identity(xs, axis_name, options, varying), None
+def _synced_identity_fwd(xs, key, axis_name, options, varying):
+  return _synced_identity(xs, key, axis_name, options, varying), key
 
 
-def _synced_identity_bwd(axis_name, options, varying, _, cts):
+def _synced_identity_bwd(axis_name, options, varying, key, cts):
   axes = normalize_axes(axis_name)
   cts = list(cts)
   out = list(cts)
   opts = dict(options)
   bucket = buckets.assign(cts, bucket_bytes=2**62)[0]   # the one bucket these leaves form
   _reduce_bucket(bucket, cts, out, axis_name, opts["op"], opts["algorithm"],
-                 opts["wire_dtype"], opts["accumulate_dtype"])
-  return (tuple(make_varying(o, axes) if v else o for o, v in zip(out, varying)),)
+                 opts["wire_dtype"], opts["accumulate_dtype"], key)
+  return (tuple(make_varying(o, axes) if v else o for o, v in zip(out, varying)), None)
 
 
 _synced_identity.defvjp(_synced_identity_fwd, _synced_identity_bwd)
