@@ -187,13 +187,13 @@ def _collective(primitive: str, x, axis_name, algorithm, *, native, finish, op=N
   move = move or (lambda v: v)
 
   checks.algorithm(primitive, algorithm, num_axes=len(axes))
-  leaves = [_prepare(v, op) for v in jax.tree.leaves(x)]
   keys = None
   if facts.reduces:
     checks.choice(op, ops.OPS, "op")
-    key = rounding_lib.check(rounding, key, op=op, dtypes=[v.dtype for v in leaves])
+    dtypes = [_prepare(v, op).dtype for v in jax.tree.leaves(x)]
+    key = rounding_lib.check(rounding, key, op=op, dtypes=dtypes)
     rounding_lib.check_same_everywhere(key, axes)
-    keys = rounding_lib.leaf_keys(key, [v.dtype for v in leaves])
+    keys = rounding_lib.leaf_keys(key, dtypes)
 
   def leaf(x, key):
     x = _prepare(x, op)
@@ -274,7 +274,7 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
       magnitude. Gradients are those of the uncompressed collective. x's own
       dtype (or None) sends x uncompressed; "native" cannot compress. Non-finite values
       arrive as lax's: an inf with its sign, a NaN as NaN, the finite values of their
-      block scaled without them (:mod:`jaxcoll.WireFormat`).
+      block scaled without them (:class:`jaxcoll.WireFormat`).
     wire_block_size: values per shared exponent (a power of two).
     rounding: "nearest" (lax's) or "stochastic": each bfloat16/float16 combine, computed in
       float32, rounds to one of its two neighbours with the probabilities that make it
