@@ -175,7 +175,7 @@ def _check(acc, recv, op, scale, out_dtype, rounding, key, exps, interpret) -> _
   if stochastic:
     if key is None:
       raise ValueError("rounding='stochastic' needs key= (a jax.random key)")
-    if out_dtype.name not in ("bfloat16", "float16") or work != np.float32:
+    if not ops.low_precision(out_dtype) or work != np.float32:
       raise ValueError(f"rounding='stochastic' rounds float32 work to bfloat16 or float16; "
                        f"got acc {acc.dtype} -> out_dtype {out_dtype.name}")
   elif key is not None:
@@ -226,7 +226,7 @@ def stochastic_round(y, out_dtype, bits):
   """
   if np.dtype(y.dtype) != np.float32:
     raise ValueError(f"stochastic_round: y has dtype {np.dtype(y.dtype).name}; expected float32")
-  if np.dtype(out_dtype) not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+  if not ops.low_precision(out_dtype):
     raise ValueError(f"out_dtype={out_dtype!r}: expected bfloat16 or float16")
   if tuple(bits.shape) != tuple(y.shape) or np.dtype(bits.dtype) != np.uint32:
     raise ValueError(f"bits: expected uint32 of y's shape {tuple(y.shape)}, got "

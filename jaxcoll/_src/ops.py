@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 OPS = ("sum", "prod", "min", "max", "mean")
-_LOW_PRECISION = ("float16", "bfloat16")
+LOW_PRECISION = ("bfloat16", "float16")   # combine in float32, round once to the dtype
 
 
 def check_op(op: str, dtype, *, argument: str = "op") -> None:
@@ -24,10 +24,14 @@ def check_op(op: str, dtype, *, argument: str = "op") -> None:
     raise ValueError(f"{argument}={op!r} is not defined for complex dtype {np.dtype(dtype).name}")
 
 
+def low_precision(dtype) -> bool:
+  """Whether results of ``dtype`` are rounded from float32 (bfloat16, float16)."""
+  return np.dtype(dtype).name in LOW_PRECISION
+
+
 def compute_dtype(dtype) -> np.dtype:
   """The dtype a combine computes in: float32 for float16/bfloat16, else the dtype itself."""
-  dtype = np.dtype(dtype)
-  return np.dtype(np.float32) if dtype.name in _LOW_PRECISION else dtype
+  return np.dtype(np.float32) if low_precision(dtype) else np.dtype(dtype)
 
 
 def _apply(xp, op: str, a, b):

@@ -26,15 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcoll._src.fused_combine import ROUNDINGS, stochastic_round
+from jaxcoll._src.ops import low_precision
 from jaxcoll._src.replicated import check_vma_enabled
 
-LOW_PRECISION = ("bfloat16", "float16")
 COPY = 2**31 - 1   # folded into the key of copies (phases fold in 0, 1, ...)
-
-
-def low_precision(dtype) -> bool:
-  """Whether results of ``dtype`` are rounded from float32 (bfloat16, float16)."""
-  return np.dtype(dtype).name in LOW_PRECISION
 
 
 def is_key(key) -> bool:
