@@ -10,13 +10,18 @@ runs the two halves and fits them together (``jaxcoll.tools.fit``):
 each at 1 KiB to 64 MiB per device, every size timed side by side (medians of at least 5
 rounds, more until a size has taken 4 s: gloo's latency is bimodal). The
 measurements are kept in benchmarks/out/calibrate-<part>.json; ``--fit`` refits them.
-No other host was measured: the preset's "*" link, which prices "network" links, is the
-"host" one.
+No second host was measured: the preset's "network" span is the "host" one with a prior
+for the link between hosts, 1 Gbit/s Ethernet (``NETWORK``: alpha 50 us, beta 8 ns/B, the
+slowest network a CPU cluster commonly has) and no lax times (priced as NCCL would run them
+on these links). Without it, auto priced a network link as loopback TCP and picked
+schedules that ship 1.75 M across it where one ships M (benchmarks/bench_vs_ddp.py --netns);
+``jaxcoll.calibrate`` on a cluster measures its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -26,6 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "out")
 SIZES = tuple(1 << k for k in range(10, 27, 2))   # 1 KiB ... 64 MiB, x4
 PRESET = os.path.join(HERE, "..", "jaxcoll", "presets", "cpu.json")
+NETWORK = {"alpha": 50e-6, "beta": 8e-9}   # prior: 1 Gbit/s Ethernet between CPU hosts
 
 
 def part_path(part: str) -> str:
@@ -54,13 +60,24 @@ def measure(part: str, reps: int, min_seconds: float) -> None:
     print(f"{part}: links {measured.classes}; wrote {part_path(part)}", flush=True)
 
 
+def with_network(prof):
+  """``prof`` with a "network" span: its "host" figures, the ``NETWORK`` prior for links
+  between hosts, no lax times."""
+  import jaxcoll
+  host = prof.for_span("host")
+  network = dataclasses.replace(
+      host, name="cpu across network (host figures; link: prior, 1 Gbit/s Ethernet)",
+      links={**dict(host.links), "network": jaxcoll.Link(**NETWORK)}, native=(), spans=())
+  return dataclasses.replace(prof, spans={**dict(prof.spans), "network": network})
+
+
 def fit(out: str) -> None:
   from jaxcoll import tools
   parts = []
   for part in ("process", "host"):
     with open(part_path(part)) as f:
       parts.append(tools.Measurements.from_json(json.load(f)))
-  prof = tools.fit(parts, name="cpu")
+  prof = with_network(tools.fit(parts, name="cpu"))
   prof.save(out)
   print(f"wrote {out}: {prof.summary()}")
 
