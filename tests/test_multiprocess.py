@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from jaxcoll.launch import launch
+from jaxcoll.launch import MALLOC_ENV, launch, rank_env
 
 pytestmark = pytest.mark.quick   # also on the oldest supported jax (.ci/run)
 
@@ -57,6 +57,30 @@ def test_a_rank_that_raises_fails_the_launch_fast_with_its_traceback():
   assert "rank 1 exited with code 1 first" in done.stdout
   assert "finished a collective" not in done.stdout   # rank 0 was stopped, not released
   assert elapsed < 60, elapsed
+
+
+def test_ranks_keep_freed_memory_unless_the_environment_says_otherwise():
+  """Each rank's environment tells glibc to keep what XLA frees (MALLOC_ENV); a value the
+  user set wins; the rank really runs with it."""
+  env = rank_env(0, 2, 4, "127.0.0.1:1", base={"MALLOC_TOP_PAD_": "0"})
+  assert env["MALLOC_TOP_PAD_"] == "0"
+  assert env["MALLOC_TRIM_THRESHOLD_"] == MALLOC_ENV["MALLOC_TRIM_THRESHOLD_"]
+  assert env["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20)
+  lines = []
+  code = launch([sys.executable, "-c", "import os; print(os.environ['MALLOC_TRIM_THRESHOLD_'])"],
+                processes=2, devices_per_process=1, timeout=60, out=Lines(lines))
+  assert code == 0 and sorted(lines) == [f"[{r}] {4 << 30}\n" for r in range(2)]
+
+
+class Lines:
+  def __init__(self, lines):
+    self.lines = lines
+
+  def write(self, text):
+    self.lines.append(text)
+
+  def flush(self):
+    pass
 
 
 def test_launch_errors_name_the_argument():
