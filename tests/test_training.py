@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxcoll
+from jaxcoll._src import compat
 from jaxcoll._src.integrations import buckets
 
 pytestmark = pytest.mark.quick   # differentiates through shard_map: every supported jax
@@ -282,6 +283,37 @@ def test_bucket_reduces_are_scheduled_between_backward_matmuls():
   assert hooked.count("while") == 12, hooked
   assert hooked[:last_dot].count("while") >= 3, hooked
   assert after == hooked
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_lax_bucket_reduces_stay_one_per_bucket_in_order(layers):
+  """Buckets that run the lax all-reduce are ordered, each after the one before: XLA would
+  otherwise combine them into one all-reduce that waits for the last gradient (DDP's first
+  bucket overlaps the backward pass; measured on 8 ranks over 2 processes, 16 MiB: 87-94 ms
+  in order against 122-151 ms combined). The result equals per-leaf pmean. jax 0.10.2's
+  XLA drops the barrier's unused operand and combines them (compat)."""
+  rng = np.random.default_rng(0)
+  params = [{"w": rng.standard_normal((128, 128)).astype(np.float32) * 0.1}
+            for _ in range(layers)]
+  x = rng.standard_normal((64, 128)).astype(np.float32)
+  layer = 128 * 128 * 4
+
+  def loss(ps, xb):
+    for p in ps:
+      xb = jnp.tanh(xb @ p["w"])
+    return jnp.mean(xb ** 2)
+
+  def compiled(sync):
+    f = jax.jit(jax.shard_map(lambda ps, xb: sync(jax.grad(loss)(ps, xb)), mesh=mesh(),
+                              in_specs=(P(), P(AXIS)), out_specs=P(), check_vma=False))
+    return f, f.lower(params, x).compile().as_text()
+
+  synced, text = compiled(lambda g: jaxcoll.sync_gradients(
+      g, AXIS, bucket_bytes=layer, first_bucket_bytes=layer, algorithm="native"))
+  ordered = compat.BARRIERS_ORDER_COLLECTIVES   # jax 0.10.2's XLA combines them anyway
+  assert len(re.findall(r"\ball-reduce(?:-start)?\(", text)) == (layers if ordered else 1)
+  reference, _ = compiled(lambda g: jax.tree.map(lambda v: jax.lax.pmean(v, AXIS), g))
+  chex.assert_trees_all_close(synced(params, x), reference(params, x), rtol=1e-6, atol=1e-7)
 
 
 def test_params_stay_bit_identical_on_every_device_over_compressed_steps():

@@ -224,7 +224,7 @@ def _collective(primitive: str, x, axis_name, algorithm, *, native, finish, op=N
 
 
 def algorithm_of(primitive: str, x, axis_name, *, algorithm="auto", op: str | None = None,
-                 accumulate_dtype=None, wire_dtype=None) -> str:
+                 accumulate_dtype=None, wire_dtype=None, rounding: str = "nearest") -> str:
   """The algorithm a call of ``primitive`` on one array ``x`` (or its ``ShapeDtypeStruct``)
   over ``axis_name`` runs, inside shard_map: ``algorithm`` with "auto" (and "schedule")
   resolved exactly as the call resolves it. Nothing is traced or recorded. An integration
@@ -233,7 +233,8 @@ def algorithm_of(primitive: str, x, axis_name, *, algorithm="auto", op: str | No
   Args:
     primitive: a collective of ``jaxcoll.PRIMITIVES``.
     x: the operand, or its shape and dtype.
-    axis_name, algorithm, op, accumulate_dtype, wire_dtype: as the collective takes them.
+    axis_name, algorithm, op, accumulate_dtype, wire_dtype, rounding: as the collective
+      takes them (the key does not change the choice, only whether there is one).
 
   Returns:
     The algorithm's name ("native" for the lax collective).
@@ -245,8 +246,9 @@ def algorithm_of(primitive: str, x, axis_name, *, algorithm="auto", op: str | No
   acc = checks.accumulate(accumulate_dtype, x.dtype) if facts.reduces else None
   fmt = _wire(wire_dtype, x.dtype, wire_lib.DEFAULT_BLOCK_SIZE, acc) if facts.wire else None
   nbytes = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+  stochastic = rounding == "stochastic" and facts.reduces and rounding_lib.low_precision(x.dtype)
   return _decide(primitive, algorithm, axes, x, facts.message_bytes(nbytes, axes_lib.size(axes)),
-                 accumulate=acc, wire=fmt)[0]
+                 accumulate=acc, wire=fmt, stochastic=stochastic)[0]
 
 
 def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",

@@ -37,6 +37,11 @@ that moves one fails there first, loudly, instead of somewhere deep in a collect
   compiler keeps every update in place; 0.10.2's still copies the buffer where it did
   without them (up to one copy a step; ``tests/test_executor.py`` holds each version to
   its figure).
+- ``BARRIERS_ORDER_COLLECTIVES``: whether a collective whose operand passed a
+  ``lax.optimization_barrier`` beside another collective's result stays after it. jaxlib
+  0.12's CPU compiler keeps the order; 0.10.2's drops the barrier's unused operand and
+  combines the two all-reduces into one (``sync_gradients``' lax buckets then reduce
+  together, as before; ``tests/test_training.py`` holds each version to its count).
 
 Where the versions behave differently rather than name things differently, the module that
 depends on it says so and adapts in a form both accept: ``axes.ppermute_args`` (jax 0.12
@@ -61,6 +66,7 @@ def _version(text: str) -> tuple[int, ...]:
 JAX_VERSION = _version(jax.__version__)
 REMAT_COLLECTIVES_STAY_SEPARATE = JAX_VERSION >= (0, 12)
 BARRIERS_KEEP_UPDATES_IN_PLACE = JAX_VERSION >= (0, 12)
+BARRIERS_ORDER_COLLECTIVES = JAX_VERSION >= (0, 12)
 
 
 def trace_state_clean() -> bool:
