@@ -24,7 +24,6 @@ import argparse
 import datetime
 import os
 import sys
-import time
 
 import ddpcommon as C
 import numpy as np
@@ -57,23 +56,7 @@ def main():
                 [torch.nn.Parameter(torch.from_numpy(v.copy())) for v in C.init_params(model)])
 
         def forward(self, x):
-            ps = list(self.ps)
-            if self.model == "mlp":
-                h = x
-                for w in ps:
-                    h = torch.tanh(h @ w)
-                return (h * h).mean()
-            s, v, w = ps[:150], ps[150:196], ps[196:]
-            h = x
-            for m in w:
-                h = torch.tanh(h @ m)
-            z = h[:, :64]
-            for m in v:
-                z = torch.tanh(z @ m)
-            u = h[:, :256]
-            for m in s:
-                u = torch.tanh(u * m)
-            return (z * z).mean() + (u * u).mean()
+            return C.loss(self.model, list(self.ps), x, torch.tanh)
 
     def barrier():
         if P > 1:
@@ -115,22 +98,7 @@ def main():
                 opt.step()
                 return loss
             steps[v] = step
-        for v in variants:
-            for _ in range(a.warmup):
-                steps[v]()
-        barrier()
-        t0 = time.perf_counter()
-        for v in variants:
-            steps[v]()
-        round_s = time.perf_counter() - t0
-        reps = agree_min(C.reps_for(round_s / len(variants), a))
-        ts = {v: [] for v in variants}
-        for r in range(reps):
-            for v in C.rotated(variants, r):
-                barrier()
-                t0 = time.perf_counter()
-                steps[v]()
-                ts[v].append(time.perf_counter() - t0)
+        ts = C.timed(variants, lambda v, steps=steps: steps[v](), barrier, agree_min, a)
         if "ddp" in nets:   # DDP's logger samples iterations: read it after the timed ones
             d = nets["ddp"][1]._get_ddp_logging_data()
             info["ddp"] = (f"{d.get('num_buckets_reduced')} buckets, bytes "

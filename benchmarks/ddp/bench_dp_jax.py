@@ -80,24 +80,7 @@ def main():
   tx_int8 = optax.chain(jaxcoll.optax.sync("data", wire_dtype="int8"), optax.sgd(a.lr))
 
   def loss_fn(model):
-    def loss(ps, x):
-      if model == "mlp":
-        h = x
-        for w in ps:
-          h = jnp.tanh(h @ w)
-        return jnp.mean(h * h)
-      s, v, w = ps[:150], ps[150:196], ps[196:]
-      h = x
-      for m in w:
-        h = jnp.tanh(h @ m)
-      z = h[:, :64]
-      for m in v:
-        z = jnp.tanh(z @ m)
-      u = h[:, :256]
-      for m in s:
-        u = jnp.tanh(u * m)
-      return jnp.mean(z * z) + jnp.mean(u * u)
-    return loss
+    return lambda ps, x: C.loss(model, ps, x, jnp.tanh)
 
   bar_f = jax.jit(jax.shard_map(lambda v: lax.psum(v, "data"), mesh=mesh,
                                 in_specs=P("data"), out_specs=P("data")))
@@ -181,22 +164,7 @@ def main():
       ps, opt, _ = fns[v](ps, opt, x)
       jax.block_until_ready(ps)
       state[v] = (ps, opt)
-    for v in variants:
-      for _ in range(a.warmup):
-        run(v)
-    barrier()
-    t0 = time.perf_counter()
-    for v in variants:
-      run(v)
-    round_s = time.perf_counter() - t0
-    reps = agree_min(C.reps_for(round_s / len(variants), a))
-    ts = {v: [] for v in variants}
-    for r in range(reps):
-      for v in C.rotated(variants, r):
-        barrier()
-        t0 = time.perf_counter()
-        run(v)
-        ts[v].append(time.perf_counter() - t0)
+    ts = C.timed(variants, run, barrier, agree_min, a)
     for v in variants:
       i = info[v]
       picks = [f"{ln.nbytes} B: {ln.algorithm}" for ln in traced[v]]
