@@ -136,7 +136,10 @@ def ratio(runs, topo, model, variant, rounds=None):
 def tables(runs, topologies, rate) -> str:
   out = ["| model | sync | " + " | ".join(t[1].format(rate=rate) for t in topologies) + " |",
          "|---|---|" + "---:|" * len(topologies)]
+  measured = {row["model"] for jobs in runs.values() for js in jobs for row in js["rows"]}
   for model, title in MODELS.items():
+    if model not in measured:
+      continue
     for fw, variant, name in SYNCED:
       cells = []
       for key, *_ in topologies:
