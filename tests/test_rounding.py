@@ -3,6 +3,8 @@ biased, replicas bit-identical, every algorithm and wire format, gradients, erro
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -257,6 +259,13 @@ def test_errors_name_the_argument():
                     in_specs=jax.P("x"), out_specs=jax.P("x"))
   with pytest.raises(ValueError, match="rounding='stochastic' needs key="):
     f(bf)
+  packed = jax.ShapeDtypeStruct((4,), jnp.bfloat16)
+  for bad in ("up", None, ["stochastic"]):
+    g = jax.shard_map(lambda v, bad=bad: jaxcoll.tools.algorithm_of(
+        "all_reduce", packed, "x", rounding=bad) and v, mesh=m, in_specs=jax.P("x"),
+        out_specs=jax.P("x"))
+    with pytest.raises(ValueError, match=re.escape(f"rounding={bad!r}: expected one of")):
+      g(bf)
 
 
 # ---- the integrations: gradient sync, optax, FSDP ----

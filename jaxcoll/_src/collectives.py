@@ -238,6 +238,9 @@ def algorithm_of(primitive: str, x, axis_name, *, algorithm="auto", op: str | No
 
   Returns:
     The algorithm's name ("native" for the lax collective).
+
+  Raises:
+    ValueError: a ``rounding`` other than "nearest" and "stochastic".
   """
   facts = spec_lib.spec(primitive)
   axes = axes_lib.normalize(axis_name)
@@ -246,6 +249,7 @@ def algorithm_of(primitive: str, x, axis_name, *, algorithm="auto", op: str | No
   acc = checks.accumulate(accumulate_dtype, x.dtype) if facts.reduces else None
   fmt = _wire(wire_dtype, x.dtype, wire_lib.DEFAULT_BLOCK_SIZE, acc) if facts.wire else None
   nbytes = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+  checks.choice(rounding, rounding_lib.ROUNDINGS, "rounding")
   stochastic = rounding == "stochastic" and facts.reduces and rounding_lib.low_precision(x.dtype)
   return _decide(primitive, algorithm, axes, x, facts.message_bytes(nbytes, axes_lib.size(axes)),
                  accumulate=acc, wire=fmt, stochastic=stochastic)[0]
