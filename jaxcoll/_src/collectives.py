@@ -190,13 +190,14 @@ def _collective(primitive: str, x, axis_name, algorithm, *, native, finish, op=N
   keys = None
   if facts.reduces:
     checks.choice(op, ops.OPS, "op")
-    dtypes = [_prepare(v, op).dtype for v in jax.tree.leaves(x)]
+  x = jax.tree.map(lambda v: _prepare(v, op), x)
+  if facts.reduces:
+    dtypes = [v.dtype for v in jax.tree.leaves(x)]
     key = rounding_lib.check(rounding, key, op=op, dtypes=dtypes)
     rounding_lib.check_same_everywhere(key, axes)
     keys = rounding_lib.leaf_keys(key, dtypes)
 
   def leaf(x, key):
-    x = _prepare(x, op)
     if check is not None:
       check(x)
     acc = checks.accumulate(accumulate_dtype, x.dtype) if facts.reduces else None
