@@ -107,7 +107,7 @@ def run_jax(python, devices, json_path, log, worker_args, launch_kwargs, timeout
 
 def load(out_dir):
   runs = {}   # (framework, topology) -> [json per round]
-  for f in sorted(glob.glob(os.path.join(out_dir, "*.json"))):
+  for f in sorted(glob.glob(os.path.join(out_dir, "*_r*.json"))):
     fw, topo, _ = os.path.basename(f).split("_", 2)
     with open(f) as fh:
       runs.setdefault((fw, topo), []).append(json.load(fh))
@@ -154,28 +154,35 @@ def tables(runs, topologies, rate) -> str:
           rounds = ", ".join("-" if x is None else f"{x:.2f}" for x in each)
           cells.append(f"**{r:.2f}** ({s * 1e3:.0f} ms; rounds {rounds})")
       out.append(f"| {title} | {name} | " + " | ".join(cells) + " |")
+  cal = any("calibrated_s" in b for jobs in runs.values() for js in jobs
+            for b in js.get("buckets", ()))
   out += ["", "Every bucket alone (first round): the cost model's prediction for what auto ran "
-          "over the measured median; the sum of a step's predictions against its measured "
-          "sync time (step - no-sync step).", "",
+          "over the measured median" + (" (the defaults' profile, then the profile "
+          "jaxcoll.calibrate measured on the topology)" if cal else "") + "; the sum of a "
+          "step's predictions against its measured sync time (step - no-sync step).", "",
           "| topology | model | sync | bucket | algorithm | predicted | measured alone "
-          "| predicted / measured |", "|---|---|---|---:|---|---:|---:|---:|"]
+          "| predicted / measured |" + (" calibrated | calibrated / measured |" if cal else ""),
+          "|---|---|---|---:|---|---:|---:|---:|" + ("---:|---:|" if cal else "")]
   for key, title, *_ in topologies:
     first = runs.get(("jax", key), [None])[0]
     if not first:
       continue
     sums = {}
     for b in first["buckets"]:
+      c = b.get("calibrated_s")
       out.append(f"| {title.format(rate=rate)} | {b['model']} | {b['variant']} | "
                  f"{b['nbytes'] / 2**20:.2f} MiB | {b['algorithm']} | "
                  f"{b['predicted_s'] * 1e3:.1f} ms | {b['measured_s'] * 1e3:.1f} ms | "
-                 f"{b['ratio']:.2f} |")
-      sums[(b["model"], b["variant"])] = sums.get((b["model"], b["variant"]), 0.0) + b[
-          "predicted_s"]
-    for (model, variant), pred in sums.items():
+                 f"{b['ratio']:.2f} |" + (f" {c * 1e3:.1f} ms | {c / b['measured_s']:.2f} |"
+                                          if c is not None else " - | - |" if cal else ""))
+      old = sums.get((b["model"], b["variant"]), (0.0, 0.0))
+      sums[(b["model"], b["variant"])] = (old[0] + b["predicted_s"], old[1] + (c or 0.0))
+    for (model, variant), (pred, cpred) in sums.items():
       s = sync_time(runs, "jax", key, model, variant)
       if s:
         out.append(f"| {title.format(rate=rate)} | {model} | {variant} | whole step | - | "
-                   f"{pred * 1e3:.1f} ms | {s * 1e3:.1f} ms (in the step) | {pred / s:.2f} |")
+                   f"{pred * 1e3:.1f} ms | {s * 1e3:.1f} ms (in the step) | {pred / s:.2f} |"
+                   + (f" {cpred * 1e3:.1f} ms | {cpred / s:.2f} |" if cal else ""))
   out += ["", "Checks (first round of each job):", ""]
   for (fw, key), js in sorted(runs.items()):
     for k, v in js[0].get("checks", {}).items():
@@ -196,6 +203,10 @@ def main(argv=None) -> int:
   parser.add_argument("--models", default="mlp,leaf200")
   parser.add_argument("--budget", type=float, default=3.0,
                       help="seconds of timed steps per variant and model (sets the reps)")
+  parser.add_argument("--calibrate", action="store_true",
+                      help="also price every bucket with jaxcoll.calibrate's profile of each "
+                           "topology (measured once, before the first round's JAX job times "
+                           "its steps; the steps keep the default settings)")
   parser.add_argument("--out", default=None, help="folder for every job's JSON and log")
   parser.add_argument("--markdown", default=None, help="also write the tables here")
   args = parser.parse_args(argv)
@@ -231,6 +242,8 @@ def main(argv=None) -> int:
       if net:
         kw = dict(coordinator=f"{ns.addresses[0]}:29500", rank_prefix=[ns.prefix(0),
                   ns.prefix(1)], local_addresses=list(ns.addresses))
+      if args.calibrate:
+        wa = [*wa, "--calibrate", os.path.join(out_dir, f"profile_{key}.json")]
       yield (f"jax_{key}", lambda p, log, wa=wa, devices=devices, kw=kw: run_jax(
           sys.executable, devices, p, log, wa, kw))
 

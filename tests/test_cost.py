@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 from jax.sharding import AbstractMesh, Mesh
 
 import jaxcoll
-from jaxcoll import Link, Profile
+from jaxcoll import Link, NativeTimes, Profile
 from jaxcoll._src import cost, dispatch, topology
 from jaxcoll._src.profile import PRESET_NAMES
 from tests.helpers import AXIS, count_primitive, per_device
@@ -107,14 +108,60 @@ def test_features_are_predict_as_a_linear_function_of_the_profile(primitive, alg
   sched = jaxcoll.schedule(primitive, algorithm, 6)
   links = {"process": Link(3e-5, 2e-9), "host": Link(5e-5, 3e-9), "network": Link(9e-5, 8e-9)}
   prof = Profile(links=links, overhead=1e-4, mu=7e-5, nu=4e-10,
-                 delta=3e-11, fresh=1e-9, fresh_threshold=1e6, gamma=5e-10)
+                 delta=3e-11, fresh=1e-9, fresh_threshold=1e6, gamma=5e-10, codec=2e-9)
   topo = topology.process_major((AXIS,), (6,), (AXIS,), processes, 6, hosts)
   per_class = [v for c in topology.CLASSES for v in (links[c].alpha, links[c].beta)]
-  coef = [prof.overhead, *per_class, prof.mu, prof.nu, prof.delta, prof.fresh, prof.gamma]
-  for nbytes in (96.0, 6e6, 6e7):
-    f = cost.features(sched, (6,), nbytes, prof.fresh_threshold, topo)
+  coef = [prof.overhead, *per_class, prof.mu, prof.nu, prof.delta, prof.fresh, prof.gamma,
+          prof.codec]
+  for nbytes, ratio in itertools.product((96.0, 6e6, 6e7), (1.0, 0.26)):
+    f = cost.features(sched, (6,), nbytes, prof.fresh_threshold, topo, ratio)
     assert f @ coef == pytest.approx(cost.predict(sched, prof, (AXIS,), (6,), nbytes,
-                                                  topology=topo))
+                                                  wire_ratio=ratio, topology=topo))
+
+
+@pytest.mark.parametrize("algorithm,sent", [("ring", 14 / 8), ("recursive_doubling", 3),
+                                            ("halving_doubling", 14 / 8),
+                                            ("binomial_tree", 6)])
+def test_codec_prices_the_uncompressed_bytes_the_busiest_device_sends(algorithm, sent):
+  """E (cost module docstring) on 8 ranks for M = 1 MB compressed at ratio 1/4: the ring and
+  halving-doubling send 2 (N-1)/N M, recursive doubling log2 N times M, the binomial tree
+  (reduce, then broadcast) 2 log2 N times M from its busiest device; uncompressed, none."""
+  sched = jaxcoll.schedule("all_reduce", algorithm, 8)
+  prof = Profile(links={AXIS: Link(0.0, 0.0)}, codec=1.0)
+  m = 1e6
+  assert cost.predict(sched, prof, (AXIS,), (8,), m / 4, wire_ratio=0.25) == pytest.approx(
+      sent * m)
+  assert cost.predict(sched, prof, (AXIS,), (8,), m) == 0.0
+  # a measured time is read at the compressed bytes, plus the encoding
+  timed = dataclasses.replace(prof, native=(NativeTimes(
+      "all_reduce", (8,), (1, 1 << 30), (1.0, 1.0), "process", algorithm),))
+  times = {label: t for label, _, _, _, t in cost.schedule_times(
+      "all_reduce", timed, (AXIS,), (8,), m / 4, wire_ratio=0.25)}
+  assert times[algorithm] == pytest.approx(1.0 + sent * m)
+
+
+@pytest.mark.quick
+def test_calibrate_fits_codec_where_compressed_schedules_took_longer():
+  """fit() on measurements made by the model itself (the rows calibrate builds, uncompressed
+  and int8) recovers every coefficient it was given, codec among them."""
+  from jaxcoll._src.calibrate import Measurements, fit
+  truth = Profile(links={"process": Link(1e-4, 1e-9)}, overhead=3e-4, mu=2e-5, delta=1e-10,
+                  gamma=4e-10, codec=2e-9)
+  rows, times = [], []
+  for algorithm in ("ring", "recursive_doubling", "binomial_tree", "halving_doubling"):
+    sched = jaxcoll.schedule("all_reduce", algorithm, 8)
+    for nbytes, ratio in itertools.product((4e3, 6.4e4, 1e6, 1.6e7), (1.0, 0.251)):
+      rows.append(tuple(cost.features(sched, (8,), nbytes * ratio, truth.fresh_threshold,
+                                      None, ratio)))
+      times.append(cost.predict(sched, truth, (AXIS,), (8,), nbytes * ratio,
+                                wire_ratio=ratio))
+  got = fit([Measurements(tuple(rows), tuple(times), (), ("process",), "cpu")])
+  assert got.codec == pytest.approx(truth.codec, rel=1e-6)
+  assert (got.link(AXIS).alpha, got.link(AXIS).beta) == pytest.approx(
+      (truth.link(AXIS).alpha, truth.link(AXIS).beta), rel=1e-6)
+  old = Measurements.from_json({**Measurements(tuple(r[:-1] for r in rows), tuple(times), (),
+                                                ("process",), "cpu").to_json()})
+  assert all(len(r) == cost.FEATURES and r[-1] == 0.0 for r in old.rows)   # kept JSON
 
 
 @pytest.mark.parametrize("primitive,algorithm", FLAT)

@@ -23,7 +23,8 @@ A round runs every variant once (order rotated); per step: a jitted 1-element ps
 barrier (untimed), then the step + block_until_ready timed; a step's time is the max over
 processes. Then, for every all_reduce the synced steps trace (one per bucket,
 ``jaxcoll.extend.recording``), that all_reduce alone on the same bytes, timed the same way,
-beside the cost model's prediction for it (``jaxcoll.explain``: what auto priced).
+beside the cost model's prediction for it (``jaxcoll.explain``: what auto priced), the
+buckets timed like the steps (rotated rounds, untimed barriers, the same reps rule).
 Checks: sync's weights after one step equal pmean's within float tolerance (int8_ef's
 within its wire bound); sum(w^2) after 3 synced steps (bench_ddp_torch.py prints it too).
 """
@@ -46,7 +47,10 @@ def main():
                               formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--local-devices", type=int, default=None,
                  help="devices of this process (rewrites what the launcher set)")
-  p.add_argument("--bucket-reps", type=int, default=7, help="timed runs of each bucket alone")
+  p.add_argument("--calibrate", default=None, metavar="PROFILE_JSON",
+                 help="also price every bucket with a profile measured on this job's mesh "
+                      "(jaxcoll.calibrate of all_reduce at its default sizes, saved here; an "
+                      "existing file is loaded): the steps still run with the defaults")
   C.add_common_args(p)
   a = p.parse_args()
   if a.local_devices is not None or "JAXCOLL_COORDINATOR" not in os.environ:
@@ -77,6 +81,15 @@ def main():
   for v in variants:
     if v not in VARIANTS:
       raise SystemExit(f"--variants: {v!r} is not one of {VARIANTS}")
+  calibrated = None
+  if a.calibrate and os.path.exists(a.calibrate):
+    calibrated = jaxcoll.Profile.load(a.calibrate)
+  elif a.calibrate:
+    t0 = time.perf_counter()
+    calibrated = jaxcoll.calibrate(mesh, primitives=("all_reduce",), progress=False)
+    if jax.process_index() == 0:
+      calibrated.save(a.calibrate)
+      print(f"  calibrated in {time.perf_counter() - t0:.0f} s: {a.calibrate}", flush=True)
   tx_int8 = optax.chain(jaxcoll.optax.sync("data", wire_dtype="int8"), optax.sgd(a.lr))
 
   def loss_fn(model):
@@ -123,21 +136,14 @@ def main():
                                    out_specs=P(), check_vma=False), donate_argnums=(0,))
     return jaxcoll.data_parallel(step, mesh, "data", donate_argnums=(0,))
 
-  def time_alone(nbytes, algorithm, wire):
-    """Median seconds of one all_reduce of ``nbytes`` per device, alone (max over ranks)."""
+  def alone(nbytes, algorithm, wire):
+    """One all_reduce of ``nbytes`` per device by ``algorithm``, alone: a call that runs it."""
     n = nbytes // 4
     x = jax.make_array_from_callback((R * n,), dat_sh, lambda i: np.ones(n, np.float32))
     f = jax.jit(jax.shard_map(
         lambda u: jaxcoll.all_reduce(u, "data", algorithm=algorithm, wire_dtype=wire),
         mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(a.bucket_reps):
-      barrier()
-      t0 = time.perf_counter()
-      f(x).block_until_ready()
-      ts.append(time.perf_counter() - t0)
-    return float(np.median(allmax(ts)))
+    return lambda: f(x).block_until_ready()
 
   rows, checks, buckets = [], {}, []
   for model in a.models.split(","):
@@ -172,19 +178,32 @@ def main():
                    "info": f"HLO all-reduce {i['all_reduce_ops']}, collective-permute "
                            f"{i['collective_permutes']}, compile {i['compile_s']} s"
                            + (f"; buckets {picks}" if picks else ""), **i})
-    for v in ("sync", "int8_ef"):   # every bucket alone: measured beside predicted
+    # every bucket alone, timed as the steps are (rotated rounds): measured beside predicted
+    alone_rows, calls = [], {}
+    for v in ("sync", "int8_ef"):
       if v not in variants:
         continue
       wire = "int8" if v == "int8_ef" else None
-      for ln in traced[v]:
-        e = jaxcoll.explain("all_reduce", jax.ShapeDtypeStruct((ln.nbytes // 4,), jnp.float32),
-                            mesh, "data", wire_dtype=wire)
-        predicted = next(row.predicted_s for row in e.rows if row.algorithm == ln.algorithm)
-        measured = time_alone(ln.nbytes, ln.algorithm, wire)
-        buckets.append({"model": model, "variant": v, "nbytes": ln.nbytes,
-                        "algorithm": ln.algorithm, "auto_chose": e.chosen,
-                        "profile": e.profile, "links": e.links, "predicted_s": predicted,
-                        "measured_s": measured, "ratio": predicted / measured})
+      for i, ln in enumerate(traced[v]):
+        shape = jax.ShapeDtypeStruct((ln.nbytes // 4,), jnp.float32)
+        e = jaxcoll.explain("all_reduce", shape, mesh, "data", wire_dtype=wire)
+        row = {"model": model, "variant": v, "nbytes": ln.nbytes, "algorithm": ln.algorithm,
+               "auto_chose": e.chosen, "profile": e.profile, "links": e.links,
+               "predicted_s": next(r.predicted_s for r in e.rows
+                                   if r.algorithm == ln.algorithm)}
+        if calibrated is not None:
+          c = jaxcoll.explain("all_reduce", shape, mesh, "data", calibrated, wire_dtype=wire)
+          row["calibrated_s"] = next(r.predicted_s for r in c.rows
+                                     if r.algorithm == ln.algorithm)
+          row["calibrated_chose"] = c.chosen
+        calls[f"{v}{i}"] = alone(ln.nbytes, ln.algorithm, wire)
+        alone_rows.append(row)
+    if calls:
+      ts = C.timed(list(calls), lambda k, calls=calls: calls[k](), barrier, agree_min, a)
+      for row, k in zip(alone_rows, calls):
+        row["measured_s"] = float(np.median(allmax(ts[k])))
+        row["ratio"] = row["predicted_s"] / row["measured_s"]
+      buckets += alone_rows
     # checks: one step of each sync from the same start against per-leaf pmean
     ref_f = make_step("pmean", loss)
     ref = to_host(ref_f(place_params(model), (), x)[0])
@@ -212,9 +231,11 @@ def main():
                 f"process(es) x {R // nproc} device(s) = {R} ranks, batch {a.batch}/rank "
                 f"{a.label}", rows, meta)
     for b in buckets:
+      cal = (f", calibrated {b['calibrated_s'] * 1e3:.1f} ms (ratio "
+             f"{b['calibrated_s'] / b['measured_s']:.2f})" if "calibrated_s" in b else "")
       print(f"# bucket {b['model']} {b['variant']} {b['nbytes']} B {b['algorithm']}: predicted "
             f"{b['predicted_s'] * 1e3:.1f} ms, measured alone {b['measured_s'] * 1e3:.1f} ms, "
-            f"ratio {b['ratio']:.2f}", flush=True)
+            f"ratio {b['ratio']:.2f}{cal}", flush=True)
     for k, v in checks.items():
       print(f"# check {k}: {v}", flush=True)
   barrier()

@@ -6,10 +6,12 @@ the slowest class of link it uses (:mod:`topology`: where the mesh's devices
 are) costs alpha_c + beta_c * B, plus mu per message
 and nu per byte of all devices' messages over the devices, delta per buffer
 byte, fresh per byte of large buffers made anew, gamma per byte touched
-locally, plus one overhead per call. So calibration times the schedules the
-dispatcher chooses among (all_reduce by ring, recursive doubling, halving-
-doubling, binomial tree, and hierarchical over several axes; all_gather ring;
-all_to_all direct and Bruck) at every size, and fits every coefficient to those
+locally, codec per byte encoded for a compressed wire, plus one overhead per call. So
+calibration times the schedules the dispatcher chooses among (all_reduce by ring,
+recursive doubling, halving-doubling, binomial tree, and hierarchical over several axes;
+all_gather ring; all_to_all direct and Bruck) at every size, the all_reduce ones once
+more on an int8 wire (``CODEC_WIRE``: codec is what they take beyond their compressed
+bytes), and fits every coefficient to those
 times by non-negative least squares (``scipy.optimize.nnls``) weighted by 1/t
 (relative error). Links come out per class, not per axis name, so a profile
 measured on one mesh prices any other mesh of the same classes. Fitting
@@ -51,12 +53,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src import checks, compat, cost, timing, topology
 from jaxcoll._src import spec as spec_lib
+from jaxcoll._src import wire as wire_lib
 from jaxcoll._src.algorithms import Algorithm, call_options, entries, schedule
 from jaxcoll._src.collectives import flat_call
 from jaxcoll._src.profile import ANY_AXIS, FRESH_THRESHOLD, Link, NativeTimes, Profile
 from jaxcoll._src.topology import CLASSES
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
+CODEC_WIRE = "int8"   # the wire format the all_reduce schedules are timed on too (codec)
 NATIVE_PRIMITIVES = spec_lib.primitives(timed=True)
 
 
@@ -103,7 +107,8 @@ class Measurements:
   @classmethod
   def from_json(cls, data: dict) -> Measurements:
     native = Profile.from_json({"native": data["native"]}).native
-    return cls(tuple(map(tuple, data["rows"])), tuple(data["times"]), native,
+    pad = lambda row: (*row, *(0.0,) * (cost.FEATURES - len(row)))   # kept before codec
+    return cls(tuple(pad(r) for r in data["rows"]), tuple(data["times"]), native,
                tuple(data["classes"]), data["platform"])
 
 
@@ -127,9 +132,9 @@ def _fit_one(measured: Sequence[Measurements], name: str) -> Profile:
   links = {c: Link(alpha=float(coef[1 + 2 * i]), beta=float(coef[2 + 2 * i]))
            for i, c in enumerate(CLASSES) if c in used}
   links[ANY_AXIS] = links[max(used, key=CLASSES.index)]
-  mu, nu, delta, fresh, gamma = map(float, coef[-5:])
+  mu, nu, delta, fresh, gamma, codec = map(float, coef[-6:])
   return Profile(links=links, overhead=float(coef[0]), mu=mu, nu=nu, delta=delta, fresh=fresh,
-                 fresh_threshold=FRESH_THRESHOLD, gamma=gamma,
+                 fresh_threshold=FRESH_THRESHOLD, gamma=gamma, codec=codec,
                  native=tuple(t for m in measured for t in m.native), name=name,
                  basis=measured[0].platform)
 
@@ -139,7 +144,7 @@ def calibrate(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DE
               primitives: Sequence[str] = NATIVE_PRIMITIVES, progress: bool = True,
               name: str = "calibrated") -> Profile:
   """Measures the cost model's coefficients (alpha and beta per link class the mesh uses,
-  mu, nu, delta, fresh, gamma, the call overhead) and the native collectives' times;
+  mu, nu, delta, fresh, gamma, codec, the call overhead) and the native collectives' times;
   returns a :class:`Profile` (``fit(measure(...))``).
 
   Args:
@@ -211,10 +216,12 @@ def measure(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DEFA
                                  out_specs=spec))
 
   axis_arg = axes if len(axes) > 1 else axes[0]
+  coded = [a for a in fitted if a.primitive == "all_reduce"]
   programs = []   # (primitive, fn), in the order ``measured`` is read back below
-  for algo in fitted:
+  for algo, wire in [(a, None) for a in fitted] + [(a, CODEC_WIRE) for a in coded]:
     programs.append((algo.primitive, program(
-        lambda v, p=algo.primitive, a=algo.name: flat_call(p, v, axis_arg, a))))
+        lambda v, p=algo.primitive, a=algo.name, w=wire: flat_call(p, v, axis_arg, a,
+                                                                 wire_dtype=w))))
   for group in groups:
     for primitive in primitives:
       programs.append((primitive, program(
@@ -241,17 +248,20 @@ def measure(mesh, axes: Sequence[str] | None = None, sizes: Sequence[int] = DEFA
   n = math.prod(axis_sizes)
   topo = {g: topology.of_devices(mesh.devices, mesh.axis_names, g) for g in groups}
   whole = topo[axes]
+  ratio = wire_lib.wire_format(CODEC_WIRE, np.float32).ratio(np.float32)
   rows = []
-  for algo in fitted:
+  for algo, r in [(a, 1.0) for a in fitted] + [(a, ratio) for a in coded]:
     sched = schedule(algo.primitive, algo.name, n,
                      **call_options(algo.primitive, algo.name, axis_sizes))
-    rows += [tuple(cost.features(sched, axis_sizes, s, FRESH_THRESHOLD, whole)) for s in sizes]
-  native_rows = iter(measured[len(fitted):])
+    rows += [tuple(cost.features(sched, axis_sizes, s * r, FRESH_THRESHOLD, whole, r))
+             for s in sizes]
+  timed = len(fitted) + len(coded)
+  native_rows = iter(measured[timed:])
   native = [NativeTimes(primitive, tuple(shape[a] for a in group), sizes,
                         tuple(float(t) for t in next(native_rows)), topo[group].span)
             for group in groups for primitive in primitives]
   native += [NativeTimes(algo.primitive, axis_sizes, sizes, tuple(map(float, times)),
                          whole.span, algo.name)
              for algo, times in zip(fitted, measured) if algo.num_axes == 1]
-  return Measurements(tuple(rows), tuple(measured[:len(fitted)].reshape(-1).tolist()),
+  return Measurements(tuple(rows), tuple(measured[:timed].reshape(-1).tolist()),
                       tuple(native), whole.used, mesh.devices.flat[0].platform)

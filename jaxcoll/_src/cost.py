@@ -7,7 +7,7 @@ a message of M bytes, profile p:
 
   T = p.overhead + sum over transfers t of [ max over the links l its messages use of
         (alpha_l + beta_l * B_t)  +  (mu + nu * B_t) * K_t / N  +  delta * W ]
-      + gamma * sum over steps s of (L_s + U_s)  +  fresh * F
+      + gamma * sum over steps s of (L_s + U_s)  +  fresh * F  +  codec * E
 
 - B_t: the bytes each message of t carries (every rank sends at most one message
   per transfer, so this is also the most any device sends in it); reduce
@@ -43,6 +43,13 @@ a message of M bytes, profile p:
   with fresh pages on every call, whose page faults cost time per byte (measured:
   docs/measurements.md#cost-model);
   0 where a pooling allocator reuses device memory.
+- E: on a compressed wire (a :class:`~jaxcoll._src.wire.WireFormat` whose messages are
+  ``wire_ratio`` of the data's bytes; B_t is then the compressed bytes), the bytes the
+  busiest device's messages would be uncompressed, sum over transfers of B_t / ratio:
+  each is encoded and decoded by its sender and decoded by its receiver. The link terms
+  price the compressed bytes; ``codec`` prices the arithmetic. A measured schedule time
+  (``calibrate`` times uncompressed schedules) is priced at the compressed bytes plus
+  codec * E.
 
 Worked example (the design notes'): ring all_reduce, N = 8, M = 500 MB of
 float16, alpha = 5 us, beta = 1 / 50 GB/s: 14 transfers of M/8 bytes = 70 us +
@@ -70,6 +77,8 @@ from jaxcoll._src.plan import LOOP_MIN_STEPS, phase_keys, plan
 from jaxcoll._src.profile import Link, Profile
 from jaxcoll._src.schedule import Schedule, crossing_axis, per_array
 from jaxcoll._src.topology import CLASSES, Topology, single_process
+
+FEATURES = 2 * len(CLASSES) + 7   # the length of a :func:`features` row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,12 +195,25 @@ def fresh_bytes(ld: Loads, sent: np.ndarray, buffer: float, threshold: float) ->
                * (ld.unrolled * ld.step_repeats).sum())
 
 
+def codec_bytes(sched: Schedule, axis_sizes: Sequence[int], nbytes: float,
+                wire_ratio: float = 1.0, topology: Topology | None = None) -> float:
+  """E of the module docstring: the uncompressed bytes of the busiest device's messages on
+  a wire that sends ``wire_ratio`` of them (``nbytes``: M as sent, compressed); 0 for an
+  uncompressed wire (``wire_ratio`` 1)."""
+  if wire_ratio == 1.0:
+    return 0.0
+  ld = loads(sched, tuple(axis_sizes), topology)
+  chunk = nbytes / sched.message_chunks
+  return float((ld.chunks * chunk * ld.moving * ld.repeats).sum() / wire_ratio)
+
+
 def predict(sched: Schedule, profile: Profile, axis_names: Sequence[str],
             axis_sizes: Sequence[int], nbytes: float, *, partial_sum_scale: float = 1.0,
-            topology: Topology | None = None) -> float:
-  """Predicted seconds of ``sched`` for an M = ``nbytes`` message (module docstring), its
-  ranks placed as ``topology`` says (default: one process), under ``profile``'s figures for
-  the span of its links (:meth:`Profile.for_span`)."""
+            wire_ratio: float = 1.0, topology: Topology | None = None) -> float:
+  """Predicted seconds of ``sched`` for an M = ``nbytes`` message (module docstring; on a
+  compressed wire M is the compressed bytes, ``wire_ratio`` of the data's), its ranks placed
+  as ``topology`` says (default: one process), under ``profile``'s figures for the span of
+  its links (:meth:`Profile.for_span`)."""
   ld = loads(sched, tuple(axis_sizes), topology)
   if topology is not None:
     profile = profile.for_span(topology.span)
@@ -208,30 +230,33 @@ def predict(sched: Schedule, profile: Profile, axis_names: Sequence[str],
   per_transfer = (wire + (profile.mu + profile.nu * sent) * ld.messages / sched.axis_size
                   + profile.delta * buffer * ld.moving)
   fresh = profile.fresh * fresh_bytes(ld, sent, buffer, profile.fresh_threshold)
-  return float(profile.overhead + (per_transfer * ld.repeats).sum() + fresh
+  codec = profile.codec * codec_bytes(sched, axis_sizes, nbytes, wire_ratio, topology)
+  return float(profile.overhead + (per_transfer * ld.repeats).sum() + fresh + codec
                + profile.gamma * (ld.touched * ld.step_repeats).sum() * chunk)
 
 
 def features(sched: Schedule, axis_sizes: Sequence[int], nbytes: float,
-             fresh_threshold: float, topology: Topology | None = None) -> np.ndarray:
+             fresh_threshold: float, topology: Topology | None = None,
+             wire_ratio: float = 1.0) -> np.ndarray:
   """:func:`predict` as a linear function of the profile: the row ``f`` with
   ``predict = f @ [overhead, (alpha_c, beta_c) per link class ..., mu, nu, delta, fresh,
-  gamma]`` for a profile whose links are per class (:data:`topology.CLASSES`), each transfer
-  charged to the slowest class it uses (the max over its links of ``predict``)."""
+  gamma, codec]`` for a profile whose links are per class (:data:`topology.CLASSES`), each
+  transfer charged to the slowest class it uses (the max over its links of ``predict``)."""
   ld = loads(sched, tuple(axis_sizes), topology)
   chunk = nbytes / sched.message_chunks
-  row = np.zeros(2 * len(CLASSES) + 6)
+  row = np.zeros(FEATURES)
   row[0] = 1.0
   for t in np.flatnonzero(ld.moving):
     c = ld.slowest[t]
     row[1 + 2 * c] += ld.repeats[t]
     row[2 + 2 * c] += ld.repeats[t] * ld.chunks[t] * chunk
   buffer = ld.buffer_chunks * chunk
-  row[-5] = (ld.messages * ld.repeats).sum() / sched.axis_size
-  row[-4] = (ld.messages * ld.chunks * ld.repeats).sum() * chunk / sched.axis_size
-  row[-3] = buffer * (ld.moving * ld.repeats).sum()
-  row[-2] = fresh_bytes(ld, ld.chunks * chunk, buffer, fresh_threshold)
-  row[-1] = (ld.touched * ld.step_repeats).sum() * chunk
+  row[-6] = (ld.messages * ld.repeats).sum() / sched.axis_size
+  row[-5] = (ld.messages * ld.chunks * ld.repeats).sum() * chunk / sched.axis_size
+  row[-4] = buffer * (ld.moving * ld.repeats).sum()
+  row[-3] = fresh_bytes(ld, ld.chunks * chunk, buffer, fresh_threshold)
+  row[-2] = (ld.touched * ld.step_repeats).sum() * chunk
+  row[-1] = codec_bytes(sched, axis_sizes, nbytes, wire_ratio, topology)
   return row
 
 
@@ -259,20 +284,24 @@ def native_equivalents(primitive: str) -> tuple[str, ...]:
 
 def schedule_times(primitive: str, profile: Profile, axis_names: Sequence[str],
                    axis_sizes: Sequence[int], nbytes: float, *, partial_sum_scale: float = 1.0,
-                   topology: Topology | None = None):
+                   wire_ratio: float = 1.0, topology: Topology | None = None):
   """(label, algorithm, options, schedule, seconds) for every schedule auto weighs: measured
   beats modeled. A schedule the profile has times of (``calibrate`` times the ones it fits
   to) is priced by them; every other by :func:`predict` times the most the model
   underestimated a measured schedule of this primitive at this size (never less than 1), so
-  the model is never more optimistic than it proved to be where it was checked."""
+  the model is never more optimistic than it proved to be where it was checked. On a
+  compressed wire (``wire_ratio`` < 1, ``nbytes`` the compressed M) a measured time is
+  read at the compressed bytes, plus the encoding (``codec * E``)."""
   topology = topology or single_process(math.prod(axis_sizes))
   figures = profile.for_span(topology.span)
   out, shortfall = [], 1.0
   for label, algo, options, sched in candidate_schedules(primitive, axis_sizes):
     model = predict(sched, profile, axis_names, axis_sizes, nbytes,
-                    partial_sum_scale=partial_sum_scale, topology=topology)
+                    partial_sum_scale=partial_sum_scale, wire_ratio=wire_ratio,
+                    topology=topology)
     seen = figures.native_times(primitive, axis_sizes, span=topology.span, algorithm=label)
-    seconds = None if seen is None else seen.time(nbytes)
+    seconds = None if seen is None else seen.time(nbytes) + figures.codec * codec_bytes(
+        sched, axis_sizes, nbytes, wire_ratio, topology)
     if seconds is not None and model > 0:
       shortfall = max(shortfall, seconds / model)
     out.append([label, algo, options, sched, model, seconds])

@@ -79,11 +79,13 @@ def profile_in_use(profile: Profile | str | None = None) -> Profile:
 
 def candidates(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[int],
                nbytes: float, profile: Profile, *, partial_sum_scale: float = 1.0,
-               native_scale: float | None = None, topology: Topology | None = None):
+               native_scale: float | None = None, wire_ratio: float = 1.0,
+               topology: Topology | None = None):
   """Every algorithm "auto" weighs, native first, with its predicted time
   (:func:`cost.schedule_times`; ranks placed as ``topology`` says; default one process).
   ``native_scale``: the lax collective's bytes over M where they differ from the schedules'
-  partial sums (stochastic rounding: it reduces float32)."""
+  partial sums (stochastic rounding: it reduces float32). ``wire_ratio``: a compressed
+  wire's bytes over the data's (``nbytes`` is then the compressed M)."""
   placements = (topology, *topology.alternatives) if topology is not None else (None,)
   natives, priced = [], []
   native_scale = partial_sum_scale if native_scale is None else native_scale
@@ -91,7 +93,8 @@ def candidates(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[i
     natives.append(cost.predict_native(primitive, profile, axis_names, axis_sizes,
                                        nbytes * native_scale, topology=placed))
     priced.append(cost.schedule_times(primitive, profile, axis_names, axis_sizes, nbytes,
-                                      partial_sum_scale=partial_sum_scale, topology=placed))
+                                      partial_sum_scale=partial_sum_scale,
+                                      wire_ratio=wire_ratio, topology=placed))
   out = [Candidate(NATIVE, NATIVE, (), natives[0], None, tuple(natives[1:]))]
   for times in zip(*priced):   # one schedule under every placement
     label, algo, options, sched, t = times[0]
@@ -261,7 +264,8 @@ def decide(call: Call, algorithm="auto", pricing: Pricing | None = None, *,
     pricing = pricing or Pricing.of(axes, sizes)
     weighed = tuple(candidates(primitive, axes, sizes, call.priced_bytes, pricing.profile,
                                partial_sum_scale=call.partial_sum_scale,
-                               native_scale=call.native_scale, topology=pricing.topology))
+                               native_scale=call.native_scale, wire_ratio=call.wire_ratio,
+                               topology=pricing.topology))
   given = "overridden by jaxcoll.config / " + config_lib.ENV_ALGORITHM if overridden else \
       "the algorithm= argument"
   if algorithm == "auto" and one_device:

@@ -149,7 +149,7 @@ def explain(primitive: str, x, mesh, axis_name, profile: Profile | str | None = 
     >>> why = jaxcoll.explain("all_reduce", jax.ShapeDtypeStruct((1 << 20,), "float32"),
     ...                       {"x": 8}, "x", profile="cpu", wire_dtype="int8")
     >>> why.chosen, why.wire_dtype
-    ('recursive_doubling', 'int8')
+    ('halving_doubling', 'int8')
   """
   facts = spec(primitive)
   if x is None:

@@ -11,7 +11,8 @@ paid once), ``mu`` and ``nu``
 (seconds of per-message and per-byte work a ppermute costs when every device
 sends; devices that share CPUs do it one after another), ``delta`` (seconds per
 buffer byte per ppermute), ``fresh`` (seconds per byte of buffers of at least
-``fresh_threshold`` bytes made anew: page faults), and optionally measured
+``fresh_threshold`` bytes made anew: page faults), ``codec`` (seconds per byte a device
+encodes and decodes for a compressed wire), and optionally measured
 times of the jax.lax collectives (``native``), which :func:`jaxcoll.calibrate`
 records. The formula that uses them is in :mod:`jaxcoll._src.cost`. Profiles
 are frozen, hashable, and saved and loaded as JSON.
@@ -142,6 +143,9 @@ class Profile:
       schedule makes anew (received messages, unrolled steps' copies): the first
       touch of fresh pages, on the CPU above glibc's mmap threshold.
     fresh_threshold: bytes; default 32 MiB (glibc's largest mmap threshold).
+    codec: seconds per byte of a message sent on a compressed wire (counted uncompressed)
+      that its sender encodes and decodes and its receiver decodes (:mod:`wire`); 0 where
+      never measured.
     native: measured :class:`NativeTimes` of the jax.lax collectives.
     name: a label (the preset's name).
     spans: ``{class: Profile}``: the figures measured on meshes whose slowest link is of that
@@ -163,6 +167,7 @@ class Profile:
   nu: float = 0.0
   fresh: float = 0.0
   fresh_threshold: float = FRESH_THRESHOLD
+  codec: float = 0.0
   native: tuple[NativeTimes, ...] = ()
   name: str = ""
   basis: str = GIVEN
@@ -179,7 +184,8 @@ class Profile:
         raise ValueError(f"Profile spans: {span!r}: expected a jaxcoll.Profile under one of "
                          f"{CLASSES[1:]}")
     object.__setattr__(self, "spans", spans)
-    for field in ("gamma", "overhead", "delta", "mu", "nu", "fresh", "fresh_threshold"):
+    for field in ("gamma", "overhead", "delta", "mu", "nu", "fresh", "fresh_threshold",
+                  "codec"):
       v = getattr(self, field)
       if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
         raise ValueError(f"Profile {field}={v!r} must be a finite number >= 0")
@@ -232,7 +238,7 @@ class Profile:
     return (f"{links}; overhead {self.overhead * 1e6:.0f} us, mu {self.mu * 1e6:.0f} us, "
             f"nu {self.nu * 1e9:.3f} ns/B, "
             f"gamma {self.gamma * 1e9:.3f} ns/B, delta {self.delta * 1e9:.3f} ns/B, "
-            f"fresh {self.fresh * 1e9:.3f} ns/B"
+            f"fresh {self.fresh * 1e9:.3f} ns/B, codec {self.codec * 1e9:.3f} ns/B"
             + "".join(f"; across {span}: {sub.summary()}" for span, sub in self.spans))
 
   # -------------------------------------------------------------- presets and JSON
@@ -273,7 +279,7 @@ class Profile:
   def to_json(self) -> dict:
     return {"name": self.name, "gamma": self.gamma, "overhead": self.overhead,
             "delta": self.delta, "mu": self.mu, "nu": self.nu, "fresh": self.fresh,
-            "fresh_threshold": self.fresh_threshold,
+            "fresh_threshold": self.fresh_threshold, "codec": self.codec,
             "links": {a: dataclasses.asdict(link) for a, link in self.links},
             "native": [dataclasses.asdict(t) for t in self.native], "basis": self.basis,
             "spans": {span: sub.to_json() for span, sub in self.spans}}
@@ -285,6 +291,7 @@ class Profile:
                delta=data.get("delta", 0.0), mu=data.get("mu", 0.0), nu=data.get("nu", 0.0),
                fresh=data.get("fresh", 0.0),
                fresh_threshold=data.get("fresh_threshold", FRESH_THRESHOLD),
+               codec=data.get("codec", 0.0),
                native=tuple(NativeTimes(t["primitive"], tuple(t["axis_sizes"]), tuple(t["sizes"]),
                                         tuple(t["seconds"]), t.get("span", ""),
                                         t.get("algorithm", "native"))
