@@ -7,6 +7,12 @@ runs the two halves and fits them together (``jaxcoll.tools.fit``):
   --part host: under ``jaxcoll.launch -n 2 --devices-per-process 4``, a ("node", "local")
     mesh of 2 x 4 over the two processes (links "process" and "host": gloo on loopback),
     the lax collectives over both axes, and over each alone;
+  --part pairs: under ``jaxcoll.launch -n 2``, one device a process, one axis of 2: the
+    usual CPU data-parallel job. Only its times are kept (``with_pairs``): the 2 x 4 mesh's
+    "node" axis is 2 devices too, but four such pairs share the 2 cores there, and its
+    times (54.8 ms for the lax all_reduce of 16 MiB) priced a 2-process job (16.6 ms) 3.3x
+    too slow, and the schedules 2x, so auto ran recursive doubling where the lax
+    all_reduce was faster inside a training step (benchmarks/bench_vs_ddp.py);
 each at 1 KiB to 64 MiB per device, every size timed side by side (medians of at least 5
 rounds, more until a size has taken 4 s: gloo's latency is bimodal). The
 measurements are kept in benchmarks/out/calibrate-<part>.json; ``--fit`` refits them.
@@ -52,10 +58,10 @@ def measure(part: str, reps: int, min_seconds: float) -> None:
   import numpy as np
 
   import jaxcoll
-  if part == "host":
+  if part in ("host", "pairs"):
     jaxcoll.distributed.initialize()
   devices = np.array(jax.devices()[:8])
-  mesh = (jax.sharding.Mesh(devices, ("x",)) if part == "process" else
+  mesh = (jax.sharding.Mesh(devices, ("x",)) if part in ("process", "pairs") else
           jax.sharding.Mesh(devices.reshape(2, 4), ("node", "local")))
   measured = jaxcoll.tools.measure(mesh, sizes=SIZES, reps=reps, min_seconds=min_seconds,
                                    progress=jax.process_index() == 0)
@@ -86,20 +92,30 @@ def with_codec(prof):
   return dataclasses.replace(keep(prof, "process"), spans=spans)
 
 
+def with_pairs(prof, pairs):
+  """``prof`` whose "host" span prices 2 devices by the ``pairs`` measurements' times (the
+  lax collectives' and the schedules'), in place of those of the 2 x 4 mesh's "node" axis."""
+  host = prof.for_span("host")
+  native = (*pairs.native, *(t for t in host.native if t.axis_sizes != (2,)))
+  return dataclasses.replace(prof, spans={**dict(prof.spans),
+                                          "host": dataclasses.replace(host, native=native)})
+
+
 def fit(out: str) -> None:
   from jaxcoll import tools
-  parts = []
-  for part in ("process", "host"):
+  parts = {}
+  for part in ("process", "host", "pairs"):
     with open(part_path(part)) as f:
-      parts.append(tools.Measurements.from_json(json.load(f)))
-  prof = with_codec(with_network(tools.fit(parts, name="cpu")))
+      parts[part] = tools.Measurements.from_json(json.load(f))
+  prof = with_pairs(tools.fit([parts["process"], parts["host"]], name="cpu"), parts["pairs"])
+  prof = with_codec(with_network(prof))
   prof.save(out)
   print(f"wrote {out}: {prof.summary()}")
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--part", choices=("process", "host"))
+  parser.add_argument("--part", choices=("process", "host", "pairs"))
   parser.add_argument("--fit", action="store_true", help="only refit the kept measurements")
   parser.add_argument("--out", default=PRESET)
   parser.add_argument("--reps", type=int, default=5)
@@ -114,8 +130,9 @@ def main() -> None:
     me = [sys.executable, os.path.abspath(__file__), "--reps", str(args.reps),
           "--min-seconds", str(args.min_seconds), "--part"]
     subprocess.run(me + ["process"], check=True)
-    subprocess.run([sys.executable, "-m", "jaxcoll.launch", "-n", "2", "--devices-per-process",
-                    "4", "--timeout", "3600", "--"] + me + ["host"], check=True)
+    for part, per_process in (("host", "4"), ("pairs", "1")):
+      subprocess.run([sys.executable, "-m", "jaxcoll.launch", "-n", "2", "--devices-per-process",
+                      per_process, "--timeout", "3600", "--"] + me + [part], check=True)
   fit(args.out)
 
 

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 import jaxcoll
 from jaxcoll import Link, NativeTimes, Profile
-from jaxcoll._src import cost, dispatch, topology
+from jaxcoll._src import calibrate, cost, dispatch, topology
 
 pytestmark = pytest.mark.quick
 
@@ -147,6 +147,14 @@ def test_the_cpu_preset_holds_figures_measured_in_one_process_and_across_two():
   timed = {(t.algorithm, t.span) for t in prof.native + across.native}
   assert {("ring", "process"), ("binomial_tree", "host"), ("native", "host")} <= timed
   assert prof.basis == "cpu" and Profile.from_json(prof.to_json()) == prof
+  # 2 devices across processes: one set of times (a 2-process job's, calibrate_cpu.py's
+  # "pairs"), the lax collective and every fitted schedule, none shadowed by another
+  pairs = [(t.primitive, t.algorithm) for t in across.native if t.axis_sizes == (2,)]
+  assert len(pairs) == len(set(pairs))
+  assert {("all_reduce", a.name) for a in calibrate.fit_algorithms(1)
+          if a.primitive == "all_reduce"} | {("all_reduce", "native")} <= set(pairs)
+  # every figure is one calibrate fitted: a codec for compressed wires in every span
+  assert all(p.codec > 0 for p in (prof, across, network))
 
 
 def test_a_profile_picks_the_figures_of_the_span_a_call_uses():
