@@ -3,6 +3,7 @@
   python benchmarks/bench_vs_ddp.py                          # loopback: 2 and 8 ranks
   sudo python benchmarks/bench_vs_ddp.py --netns             # also two nodes, 250 Mbit
   python benchmarks/bench_vs_ddp.py --torch-python PY        # torch in another venv
+  python benchmarks/bench_vs_ddp.py --calibrate              # + calibrated predictions
 
 The same two models in both frameworks (benchmarks/ddp/ddpcommon.py: an MLP of 4 x
 1024x1024, 16 MiB of gradients; the 200-leaf tree of bench_grad_sync.py, 4.87 MiB), batch
@@ -24,7 +25,9 @@ Table: the sync time is a job's synced step minus its own no-sync step (pooled m
 over all rounds), as a ratio to DDP's in the same topology (< 1: less time syncing than
 DDP), then the same ratio from each round alone. Then every bucket's all_reduce alone:
 the cost model's prediction for what auto ran (``jaxcoll.explain``) over the measured
-median, and the sum of the predictions beside the synced step's sync time. torch absent:
+median (``--calibrate``: also with the profile ``jaxcoll.calibrate`` measured on the
+topology, before its first job), and the sum of the predictions beside the synced step's
+sync time. torch absent:
 the JAX jobs run and the ratios are left out.
 """
 
