@@ -59,8 +59,11 @@ NOSYNC = {"torch": "local", "jax": "nosync"}
 
 
 def has_torch(python: str) -> bool:
-  return subprocess.run([python, "-c", "import torch.distributed"],
-                        capture_output=True).returncode == 0
+  try:
+    return subprocess.run([python, "-c", "import torch.distributed"],
+                          capture_output=True).returncode == 0
+  except OSError:   # no such python
+    return False
 
 
 def run_torch(python, ranks, json_path, log, worker_args, prefixes=None, ifnames=None,

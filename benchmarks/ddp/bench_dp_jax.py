@@ -186,15 +186,16 @@ def main():
       wire = "int8" if v == "int8_ef" else None
       for i, ln in enumerate(traced[v]):
         shape = jax.ShapeDtypeStruct((ln.nbytes // 4,), jnp.float32)
-        e = jaxcoll.explain("all_reduce", shape, mesh, "data", wire_dtype=wire)
+
+        def priced(profile, shape=shape, wire=wire, ln=ln):   # (explanation, what ran's time)
+          e = jaxcoll.explain("all_reduce", shape, mesh, "data", profile, wire_dtype=wire)
+          return e, next(r.predicted_s for r in e.rows if r.algorithm == ln.algorithm)
+        e, predicted = priced(None)
         row = {"model": model, "variant": v, "nbytes": ln.nbytes, "algorithm": ln.algorithm,
                "auto_chose": e.chosen, "profile": e.profile, "links": e.links,
-               "predicted_s": next(r.predicted_s for r in e.rows
-                                   if r.algorithm == ln.algorithm)}
+               "predicted_s": predicted}
         if calibrated is not None:
-          c = jaxcoll.explain("all_reduce", shape, mesh, "data", calibrated, wire_dtype=wire)
-          row["calibrated_s"] = next(r.predicted_s for r in c.rows
-                                     if r.algorithm == ln.algorithm)
+          c, row["calibrated_s"] = priced(calibrated)
           row["calibrated_chose"] = c.chosen
         calls[f"{v}{i}"] = alone(ln.nbytes, ln.algorithm, wire)
         alone_rows.append(row)
