@@ -88,8 +88,8 @@ def with_codec(prof):
   fit codec to (the host span's also for the network span: the same CPUs encode)."""
   def keep(p, span):
     return p if p.codec else dataclasses.replace(p, codec=CODEC[span])
-  spans = {s: keep(sub, "process" if s == "process" else "host") for s, sub in prof.spans}
-  return dataclasses.replace(keep(prof, "process"), spans=spans)
+  return dataclasses.replace(keep(prof, "process"),
+                             spans={s: keep(sub, "host") for s, sub in prof.spans})
 
 
 def with_pairs(prof, pairs):

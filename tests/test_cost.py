@@ -159,8 +159,8 @@ def test_calibrate_fits_codec_where_compressed_schedules_took_longer():
   assert got.codec == pytest.approx(truth.codec, rel=1e-6)
   assert (got.link(AXIS).alpha, got.link(AXIS).beta) == pytest.approx(
       (truth.link(AXIS).alpha, truth.link(AXIS).beta), rel=1e-6)
-  old = Measurements.from_json({**Measurements(tuple(r[:-1] for r in rows), tuple(times), (),
-                                                ("process",), "cpu").to_json()})
+  old = Measurements.from_json(Measurements(tuple(r[:-1] for r in rows), tuple(times), (),
+                                            ("process",), "cpu").to_json())
   assert all(len(r) == cost.FEATURES and r[-1] == 0.0 for r in old.rows)   # kept JSON
 
 
