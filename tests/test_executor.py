@@ -51,3 +51,25 @@ def test_no_schedule_copies_its_whole_buffer(primitive, algorithm, mesh_key):
   transfers = sum(len(step.transfers) for step in sched.steps)
   bound = 0 if compat.BARRIERS_KEEP_UPDATES_IN_PLACE else transfers
   assert copies <= bound, f"{copies} copies of the {shape} buffer in {transfers} ppermutes"
+
+
+PACKED = [(a, n) for n in (2, 8) for a in jaxcoll.algorithms("all_reduce", num_axes=1)
+          if a != "native"]
+
+
+@pytest.mark.parametrize("algorithm,num_devices", PACKED)
+def test_a_packed_buffer_is_built_once(algorithm, num_devices):
+  """A buffer concatenated from several leaves (a gradient bucket) is built by one
+  concatenate, however many steps and combines read it (without the executor's barrier on
+  its input, XLA fused the concatenate into the first send and the first combine: two; so
+  does jax 0.10.2's XLA, barrier or not: compat.BARRIERS_KEEP_UPDATES_IN_PLACE)."""
+  mesh = Mesh(np.array(jax.devices()[:num_devices]), ("x",))
+  pieces = [jnp.ones((num_devices, ELEMENTS // 4), jnp.float32) for _ in range(3)]
+  f = jax.jit(jax.shard_map(
+      lambda *p: jaxcoll.all_reduce(jnp.concatenate([q[0] for q in p]), "x",
+                                    algorithm=algorithm)[None],
+      mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  hlo = f.lower(*pieces).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY"):]
+  built = re.findall(r"\n\s*%?([\w.-]*concatenate[\w.-]*) = ", entry)
+  assert len(built) <= (1 if compat.BARRIERS_KEEP_UPDATES_IN_PLACE else 2), built

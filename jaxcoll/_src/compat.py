@@ -36,7 +36,9 @@ that moves one fails there first, loudly, instead of somewhere deep in a collect
   from copying the whole buffer between unrolled steps (:mod:`executor`). jaxlib 0.12's CPU
   compiler keeps every update in place; 0.10.2's still copies the buffer where it did
   without them (up to one copy a step; ``tests/test_executor.py`` holds each version to
-  its figure).
+  its figure). The same holds for the barrier on the buffer as it comes in: 0.12 builds a
+  packed buffer once, 0.10.2 still builds it for the first send and the first combine
+  apart (two concatenates).
 - ``BARRIERS_ORDER_COLLECTIVES``: whether a collective whose operand passed a
   ``lax.optimization_barrier`` beside another collective's result stays after it. jaxlib
   0.12's CPU compiler keeps the order; 0.10.2's drops the barrier's unused operand and

@@ -14,9 +14,14 @@ rank's rows are contiguous, a gather otherwise), one ``ppermute``, then
 combine into the destination rows in place (``dynamic_update_slice`` of
 ``op(old, received)``, or of the received rows for a copy). No step
 concatenates or copies the buffer, and the compiled HLO of every schedule holds no copy of
-the whole buffer (``tests/test_executor.py`` counts them), because of two
-``lax.optimization_barrier`` s:
+the whole buffer, nor builds it twice (``tests/test_executor.py`` counts both), because of
+three ``lax.optimization_barrier`` s:
 
+- on the buffer as it comes in. Without it XLA fuses the op that built the buffer (the
+  concatenate of a gradient bucket) into each of its readers, so a buffer of ``n``
+  elements is built twice: ``[1, n]`` for the first send and ``[n]`` for the first combine
+  (2-device recursive doubling of a 12 MiB bucket: two 12 MiB concatenates, 12 MiB more
+  temp memory, a slower step; measured: docs/measurements.md#executor).
 - after every unrolled step. Without it XLA fuses the next step's send (a slice of the
   buffer) with a recomputation of this step's update (slice of dynamic-update-slice
   becomes one fusion reading the old buffer and the received message), which keeps the
@@ -147,6 +152,7 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
     return rows
   rank = lax.axis_index(axis_name)
   axes = checks.as_axes(axis_name)
+  rows = lax.optimization_barrier(rows)   # built once: see the module docstring
 
   def keep(p: TransferPlan, rows, index, data, kept):
     """The sender's rows with ``kept`` (what its message carries) in place of ``data``."""
