@@ -26,9 +26,9 @@ over all rounds), as a ratio to DDP's in the same topology (< 1: less time synci
 DDP), then the same ratio from each round alone. Then every bucket's all_reduce alone:
 the cost model's prediction for what auto ran (``jaxcoll.explain``) over the measured
 median (``--calibrate``: also with the profile ``jaxcoll.calibrate`` measured on the
-topology, before its first job), and the sum of the predictions beside the synced step's
-sync time. torch absent:
-the JAX jobs run and the ratios are left out.
+topology, in its first JAX job once the first model's steps have run), and the sum of
+the predictions beside the synced step's sync time. torch absent: the JAX jobs run and
+the ratios are left out.
 """
 
 from __future__ import annotations
@@ -211,8 +211,8 @@ def main(argv=None) -> int:
                       help="seconds of timed steps per variant and model (sets the reps)")
   parser.add_argument("--calibrate", action="store_true",
                       help="also price every bucket with jaxcoll.calibrate's profile of each "
-                           "topology (measured once, before the first round's JAX job times "
-                           "its steps; the steps keep the default settings)")
+                           "topology (measured once, in the first round's JAX job after its "
+                           "first model's steps; the steps keep the default settings)")
   parser.add_argument("--out", default=None, help="folder for every job's JSON and log")
   parser.add_argument("--markdown", default=None, help="also write the tables here")
   args = parser.parse_args(argv)

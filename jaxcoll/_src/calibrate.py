@@ -59,7 +59,10 @@ from jaxcoll._src.collectives import flat_call
 from jaxcoll._src.profile import ANY_AXIS, FRESH_THRESHOLD, Link, NativeTimes, Profile
 from jaxcoll._src.topology import CLASSES
 
-DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
+# 4 MiB too: measured times are read piecewise-linearly between sizes (NativeTimes.time), and
+# from 1 to 16 MiB the lax all_reduce is far from linear (2 processes: 6.0 ms read at 4 MiB
+# where it takes 3.4; docs/measurements.md#cost-model). Gradient buckets live there.
+DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 CODEC_WIRE = "int8"   # the wire format the all_reduce schedules are timed on too (codec)
 NATIVE_PRIMITIVES = spec_lib.primitives(timed=True)
 
