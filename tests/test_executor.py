@@ -1,5 +1,6 @@
 """The executor's compiled code: no whole-buffer copy in any schedule (XLA's copies of the
-buffer between steps are what kept schedules far from their bytes' time)."""
+buffer between steps are what kept schedules far from their bytes' time), and a packed
+buffer built once."""
 
 from __future__ import annotations
 
