@@ -71,8 +71,10 @@ def algorithms_for(axes):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[0])))
-@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.quick), 4])
-@pytest.mark.parametrize("per_device", [1, 2, 4])
+# each k and each count of experts per device, k below, equal to and above that count (the
+# full 3 x 3 grid of them took 370 s of CI)
+@pytest.mark.parametrize("k,per_device", [(1, 1), pytest.param(2, 4, marks=pytest.mark.quick),
+                                          (4, 2), (2, 1)])
 def test_forward_and_gradients_equal_the_dense_reference(case, k, per_device):
   shape, names, axes = case
   n = int(np.prod(shape))
