@@ -162,25 +162,39 @@ def tables(runs, topologies, rate) -> str:
       out.append(f"| {title} | {name} | " + " | ".join(cells) + " |")
   cal = any("calibrated_s" in b for jobs in runs.values() for js in jobs
             for b in js.get("buckets", ()))
-  out += ["", "Every bucket alone (first round): the cost model's prediction for what auto ran "
-          "over the measured median" + (" (the defaults' profile, then the profile "
+  out += ["", "Every bucket alone, timed in each round: the cost model's prediction for what "
+          "auto ran over the median of the rounds' measured medians, with the ratio to each "
+          "round's in brackets" + (" (the defaults' profile, then the profile "
           "jaxcoll.calibrate measured on the topology)" if cal else "") + "; the sum of a "
           "step's predictions against its measured sync time (step - no-sync step).", "",
           "| topology | model | sync | bucket | algorithm | predicted | measured alone "
-          "| predicted / measured |" + (" calibrated | calibrated / measured |" if cal else ""),
+          "(rounds) | predicted / measured |" + (" calibrated | calibrated / measured |"
+                                                  if cal else ""),
           "|---|---|---|---:|---|---:|---:|---:|" + ("---:|---:|" if cal else "")]
+  within = {"predicted_s": [], "calibrated_s": []}
+
+  def fits(pred, alone, which):   # "r (lo-hi)": over the median, and over each round's
+    r = pred / statistics.median(alone)
+    within[which].append(1 / 1.3 <= r <= 1.3)
+    return f"{r:.2f} ({pred / max(alone):.2f}-{pred / min(alone):.2f})"
+
   for key, title, *_ in topologies:
-    first = runs.get(("jax", key), [None])[0]
-    if not first:
+    jobs = runs.get(("jax", key), ())
+    if not jobs:
       continue
+    same = lambda a, b: all(a[k] == b[k] for k in ("model", "variant", "nbytes", "algorithm"))
     sums = {}
-    for b in first["buckets"]:
+    for i, b in enumerate(jobs[0].get("buckets", ())):   # every round runs them in this order
+      times = [js["buckets"][i]["measured_s"] for js in jobs
+               if i < len(js.get("buckets", ())) and same(js["buckets"][i], b)]
       c = b.get("calibrated_s")
+      rounds = ", ".join(f"{t * 1e3:.1f}" for t in times)
       out.append(f"| {title.format(rate=rate)} | {b['model']} | {b['variant']} | "
                  f"{b['nbytes'] / 2**20:.2f} MiB | {b['algorithm']} | "
-                 f"{b['predicted_s'] * 1e3:.1f} ms | {b['measured_s'] * 1e3:.1f} ms | "
-                 f"{b['ratio']:.2f} |" + (f" {c * 1e3:.1f} ms | {c / b['measured_s']:.2f} |"
-                                          if c is not None else " - | - |" if cal else ""))
+                 f"{b['predicted_s'] * 1e3:.1f} ms | {statistics.median(times) * 1e3:.1f} ms "
+                 f"({rounds}) | {fits(b['predicted_s'], times, 'predicted_s')} |"
+                 + (f" {c * 1e3:.1f} ms | {fits(c, times, 'calibrated_s')} |"
+                    if c is not None else " - | - |" if cal else ""))
       old = sums.get((b["model"], b["variant"]), (0.0, 0.0))
       sums[(b["model"], b["variant"])] = (old[0] + b["predicted_s"], old[1] + (c or 0.0))
     for (model, variant), (pred, cpred) in sums.items():
@@ -189,6 +203,11 @@ def tables(runs, topologies, rate) -> str:
         out.append(f"| {title.format(rate=rate)} | {model} | {variant} | whole step | - | "
                    f"{pred * 1e3:.1f} ms | {s * 1e3:.1f} ms (in the step) | {pred / s:.2f} |"
                    + (f" {cpred * 1e3:.1f} ms | {cpred / s:.2f} |" if cal else ""))
+  for which, name in (("predicted_s", "the defaults' profile"),
+                      ("calibrated_s", "the calibrated profiles")):
+    if within[which]:
+      out.append(f"\nWithin 1.3x of the median measured ({name}): {sum(within[which])} of "
+                 f"{len(within[which])} buckets.")
   out += ["", "Checks (first round of each job):", ""]
   for (fw, key), js in sorted(runs.items()):
     for k, v in js[0].get("checks", {}).items():
