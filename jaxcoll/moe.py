@@ -4,6 +4,7 @@ from jaxcoll._src.integrations.moe import (
   RoutingState,
   combine,
   dispatch,
+  expert_load,
   load_balancing_loss,
   route,
   router_z_loss,
@@ -11,6 +12,8 @@ from jaxcoll._src.integrations.moe import (
 )
 from jaxcoll._src.integrations.moe_cost import MoECall, MoEExplanation, capacity
 from jaxcoll._src.integrations.moe_cost import explain_moe as explain
+from jaxcoll._src.integrations.moe_routers import route_biased, update_bias
 
 __all__ = ("MoECall", "MoEExplanation", "RoutingState", "capacity", "combine", "dispatch",
-           "explain", "load_balancing_loss", "route", "router_z_loss", "total_dropped")
+           "expert_load", "explain", "load_balancing_loss", "route", "route_biased",
+           "router_z_loss", "total_dropped", "update_bias")

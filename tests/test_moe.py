@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -126,6 +130,151 @@ def test_capacity_drops_exactly_the_pairs_the_reference_drops(algorithm):
   assert int(np.sum(drops)) == dropped
 
 
+# MaxText's DeepSeek-V3 routing, copied unchanged from AI-Hypercomputer/maxtext
+# src/MaxText/layers/moe.py (RoutedMoE.expert_group_mask, deepseek_routing,
+# deepseek_scale_weights; the values they read from self and self.config made arguments).
+def maxtext_expert_group_mask(gate_logits, n_routing_groups, topk_routing_group, num_experts):
+  scores_grouped = jnp.reshape(
+      gate_logits,
+      gate_logits.shape[:-1] + (n_routing_groups, -1),
+  )
+  top2_in_group_vals, _ = jax.lax.top_k(scores_grouped, k=2)
+  group_scores = jnp.sum(jnp.astype(top2_in_group_vals, jnp.float32), axis=-1)
+  _, group_idx = jax.lax.top_k(group_scores, k=topk_routing_group)
+
+  # Mask selected groups so that only those experts are considered.
+  group_mask = jax.nn.one_hot(group_idx, num_classes=n_routing_groups, dtype=jnp.float32)
+  group_mask = jnp.sum(group_mask, axis=-2)
+
+  # Apply masks and get top-k indices.
+  score_mask_expanded = jnp.broadcast_to(
+      group_mask[..., None],
+      group_mask.shape + (num_experts // n_routing_groups,),
+  )
+  return jnp.reshape(
+      score_mask_expanded,
+      score_mask_expanded.shape[:-2] + (num_experts,),
+  )
+
+
+def maxtext_deepseek_routing(gate_logits, pre_bias_logits, n_routing_groups, topk_routing_group,
+                             num_experts, num_experts_per_tok):
+  expert_mask = 1 if n_routing_groups == -1 else maxtext_expert_group_mask(
+      gate_logits, n_routing_groups, topk_routing_group, num_experts)
+  _, top_k_indices = jax.lax.top_k(
+      jnp.where(expert_mask > 0, gate_logits, -jnp.inf),
+      k=num_experts_per_tok,
+  )
+  top_k_weights = jnp.take_along_axis(pre_bias_logits, top_k_indices, axis=-1)
+  return top_k_weights, top_k_indices
+
+
+def maxtext_deepseek_scale_weights(weights, routed_score_func, routed_scaling_factor):
+  if routed_score_func == "sigmoid":
+    weights /= weights.sum(-1, keepdims=True)
+  weights *= routed_scaling_factor
+  return weights
+
+
+def maxtext_gate(logits, bias, groups, top_groups, k, scale):
+  """GateLogit with score_func "sigmoid" and a bias (pre_bias_logits: the sigmoid scores),
+  then get_topk's DeepSeek path."""
+  pre_bias_logits = jax.nn.sigmoid(logits)
+  gate_logits = pre_bias_logits + bias
+  weights, indices = maxtext_deepseek_routing(gate_logits, pre_bias_logits,
+                                              groups if groups > 1 else -1, top_groups,
+                                              logits.shape[-1], k)
+  return indices, maxtext_deepseek_scale_weights(weights, "sigmoid", scale)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("groups,top_groups,k", [(1, 1, 2), (1, 1, 8), (4, 2, 4), (8, 3, 6),
+                                                 (16, 4, 1)])
+def test_route_biased_equals_maxtext_deepseek_routing(groups, top_groups, k):
+  """Ids, gates and the gates' gradient equal MaxText's DeepSeek-V3 routing."""
+  t, e = 24, 32
+  rng = np.random.default_rng(groups * 10 + k)
+  logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(e) * 0.3, jnp.float32)
+  want_ids, want_gates = maxtext_gate(logits, bias, groups, top_groups, k, 2.5)
+  ids, gates = moe.route_biased(logits, k, bias, groups=groups, top_groups=top_groups,
+                                scale=2.5)
+  np.testing.assert_array_equal(ids, want_ids)
+  np.testing.assert_allclose(gates, want_gates, rtol=1e-6)
+  probe = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
+  got = jax.grad(lambda z: jnp.sum(probe * moe.route_biased(
+      z, k, bias, groups=groups, top_groups=top_groups, scale=2.5)[1]))(logits)
+  want = jax.grad(lambda z: jnp.sum(probe * maxtext_gate(z, bias, groups, top_groups, k,
+                                                         2.5)[1]))(logits)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  if groups > 1:   # every token's experts lie in at most top_groups groups
+    assert max(len(set(row)) for row in np.asarray(ids) // (e // groups)) <= top_groups
+
+
+@pytest.mark.quick
+def test_update_bias_balances_a_skewed_router_without_a_loss():
+  """DeepSeek-V3's rule on a router that prefers two experts: the bias alone (no gradient)
+  brings the busiest expert's load from 3x the mean to within 1.5x of it."""
+  t, e, k = 256, 8, 2
+  rng = np.random.default_rng(3)
+  logits = jnp.asarray(rng.standard_normal((t, e)) + np.r_[2.0, 2.0, np.zeros(e - 2)],
+                       jnp.float32)
+  bias = jnp.zeros(e)
+  load = lambda b: np.bincount(np.asarray(moe.route_biased(logits, k, b)[0]).reshape(-1),
+                               minlength=e)
+  first = load(bias)
+  assert first.max() > 3 * first.mean()
+  for _ in range(300):
+    bias = moe.update_bias(bias, load(bias), 0.01)
+  assert load(bias).max() < 1.5 * first.mean()
+  np.testing.assert_array_equal(moe.update_bias(jnp.zeros(3), jnp.array([6, 2, 4]), 0.5),
+                                [-0.5, 0.5, 0.0])
+
+
+@pytest.mark.quick
+def test_route_biased_errors_name_the_argument():
+  logits = jnp.zeros((4, 8))
+  for kwargs, match in [(dict(k=2, groups=3), "groups=3 must divide"),
+                        (dict(k=2, groups=4, top_groups=5), "top_groups=5"),
+                        (dict(k=5, groups=4, top_groups=2), "k=5"),
+                        (dict(k=2, score="relu"), "score='relu'"),
+                        (dict(k=2, bias=jnp.zeros(7)), r"bias must be \[E\] = \[8\]"),
+                        (dict(k=2, scale=0.0), "scale=0.0")]:
+    with pytest.raises(ValueError, match=match):
+      moe.route_biased(logits, **kwargs)
+  with pytest.raises(ValueError, match="bias and load must both be"):
+    moe.update_bias(jnp.zeros(4), jnp.zeros(3))
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("case", [CASES[2], CASES[4]], ids=["4", "2x4"])
+def test_global_statistics_count_every_device(case):
+  """expert_load is the bincount of every device's choices and total_dropped the reference's
+  drops over all devices, the same figures on every device."""
+  shape, names, axes = case
+  n, t, e, k = int(np.prod(shape)), 12, 8, 2
+  rng = np.random.default_rng(12)
+  x = rng.standard_normal((n, t, D)).astype(np.float32)
+  logits = rng.standard_normal((n, t, e)).astype(np.float32)
+  logits[..., 3] += 2.0
+  w = rng.standard_normal((e, D, D)).astype(np.float32)
+  cap = moe.capacity(t, e, k, 1.0)
+  mesh = Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+
+  def body(x, logits):
+    ids, _ = moe.route(logits[0], k)
+    _, state = moe.dispatch(x[0], ids, num_experts=e, capacity=cap, axis_name=axes)
+    return moe.expert_load(state)[None], moe.total_dropped(state)[None]
+
+  load, dropped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(names),
+                                        out_specs=P(names)))(x, logits)
+  ids = np.concatenate([np.asarray(moe.route(logits[s], k)[0]).reshape(-1) for s in range(n)])
+  want_dropped = reference(x, logits, w, k, cap)[1]
+  assert want_dropped > 0
+  np.testing.assert_array_equal(load, np.tile(np.bincount(ids, minlength=e), (n, 1)))
+  np.testing.assert_array_equal(dropped, np.full(n, want_dropped))
+
+
 @pytest.mark.quick
 def test_routing_edge_cases():
   """Every token to one expert (the others empty), and one device."""
@@ -200,6 +349,48 @@ def test_errors_name_the_argument():
     moe.route(jnp.zeros((3, 4)), 7)
   with pytest.raises(ValueError, match="factor=0"):
     moe.capacity(10, 4, 1, 0)
+  with pytest.raises(ValueError, match="convention='switch'"):
+    moe.capacity(10, 4, 1, convention="switch")
+  with pytest.raises(ValueError, match="min_capacity=-1"):
+    moe.capacity(10, 4, 1, min_capacity=-1)
+
+
+# The frameworks' own capacity expressions, copied unchanged (only the names they read from
+# self / self.config made arguments).
+def flaxformer_capacity(capacity_factor, tokens_per_group, num_experts, min_expert_capacity):
+  # google/flaxformer flaxformer/architectures/moe/moe_layers.py, MoeLayer.__call__
+  # Each group will send expert_capacity tokens to each expert.
+  expert_capacity = int(
+      round(capacity_factor * tokens_per_group / num_experts))
+  expert_capacity = max(expert_capacity, min_expert_capacity)
+  return expert_capacity
+
+
+def maxtext_capacity(seq_len, num_experts_per_tok, num_experts, capacity_factor):
+  # AI-Hypercomputer/maxtext src/MaxText/layers/moe.py, RoutedMoE.generate_masks
+  tokens_per_batch = seq_len * num_experts_per_tok
+  # this is to avoid expert_capacity_per_batch = 0
+  expert_capacity_per_batch = int(
+      max(
+          math.ceil(tokens_per_batch / num_experts) * capacity_factor,
+          capacity_factor,
+      )
+  )
+  return expert_capacity_per_batch
+
+
+@pytest.mark.quick
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.integers(0, 1 << 16), experts=st.integers(1, 256), k=st.integers(1, 8),
+       factor=st.floats(0.05, 8.0), least=st.integers(0, 8))
+def test_capacity_conventions_equal_the_frameworks_own_expressions(tokens, experts, k, factor,
+                                                                   least):
+  assert moe.capacity(tokens, experts, k, factor, convention="flaxformer",
+                      min_capacity=least) == flaxformer_capacity(factor, tokens, experts, least)
+  assert moe.capacity(tokens, experts, k, factor, convention="maxtext") == maxtext_capacity(
+      tokens, k, experts, factor)
+  assert moe.capacity(tokens, experts, k, factor) == moe.capacity(
+      tokens, experts, k, factor, convention="gshard") == math.ceil(k * tokens * factor / experts)
 
 
 @pytest.mark.quick

@@ -420,6 +420,37 @@ def total_dropped(state: RoutingState):
   return all_reduce(state.dropped, state.axis_name)
 
 
+def expert_load(state: RoutingState):
+  """The (token, choice) pairs every device of the axis routed to each expert, before any
+  was dropped (``state.counts`` summed over ``state.axis_name``: one all_reduce of E
+  int32), the load to log or to balance by (an aux-loss-free router's bias follows it).
+  Inside shard_map.
+
+  Args:
+    state: the :class:`RoutingState` of a dispatch.
+
+  Returns:
+    An int32 ``[E]``, the same on every device; it sums to N * T * k less the pairs whose
+    expert id was outside [0, E).
+
+  Raises:
+    ValueError: outside the shard_map that bound ``state.axis_name``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("expert",))
+    >>> def load(x, ids):
+    ...   _, state = jaxcoll.moe.dispatch(x, ids, num_experts=4, capacity=1,
+    ...                                   axis_name="expert")
+    ...   return jaxcoll.moe.expert_load(state)
+    >>> f = jax.shard_map(load, mesh=mesh, in_specs=jax.P("expert"), out_specs=jax.P(),
+    ...                   check_vma=False)
+    >>> f(jnp.ones((16, 2)), jnp.zeros((16, 1), jnp.int32)).tolist()   # all to expert 0
+    [16, 0, 0, 0]
+  """
+  return all_reduce(state.counts.astype(jnp.int32), state.axis_name)
+
+
 def combine(expert_outputs, state: RoutingState, gates, *, wire_dtype=None):
   """Each token's k expert outputs, weighted by ``gates`` ``[T, k]``: ``[T, d]``.
 

@@ -98,10 +98,29 @@ class MoEExplanation:
     return self.table().__rich__()
 
 
+# slots per expert per source by each framework's formula (capacity's docstring): T, E, k, f
+_SLOTS = {
+    "gshard": lambda t, e, k, f: math.ceil(k * t * f / e),
+    "flaxformer": lambda t, e, k, f: int(round(f * t / e)),
+    "maxtext": lambda t, e, k, f: int(max(math.ceil(t * k / e) * f, f)),
+}
+CONVENTIONS = tuple(_SLOTS)
+
+
 def capacity(tokens: int, num_experts: int, k: int, factor: float = 1.0, *,
-             multiple: int = 1) -> int:
-  """Slots per expert per source device: ceil(k * tokens * factor / num_experts), rounded
-  up to a multiple of ``multiple`` (GShard's formula).
+             multiple: int = 1, convention: str = "gshard", min_capacity: int = 0) -> int:
+  """Slots per expert per source device, by one framework's formula (``convention``):
+
+  - ``"gshard"`` (the default): ceil(k * T * f / E), GShard's (Switch's with k = 1);
+  - ``"flaxformer"``: int(round(f * T / E)), flaxformer's ``MoeLayer`` (k is not in it; its
+    ``min_expert_capacity`` is ``min_capacity``);
+  - ``"maxtext"``: int(max(ceil(T * k / E) * f, f)), MaxText's ``generate_masks``;
+
+  then at least ``min_capacity``, rounded up to a multiple of ``multiple``. T is the tokens
+  of one routing group: a device's tokens here (flaxformer's ``tokens_per_group``,
+  MaxText's tokens of one batch row). An evaluation factor (flaxformer's configs set
+  ``eval_capacity_factor`` apart) is this function called with it. docs/guide/moe.md has
+  the conventions side by side.
 
   Args:
     tokens: T, tokens per device.
@@ -109,25 +128,35 @@ def capacity(tokens: int, num_experts: int, k: int, factor: float = 1.0, *,
     k: choices per token.
     factor: the capacity factor f.
     multiple: round up to a multiple of this.
+    convention: whose formula: "gshard", "flaxformer" or "maxtext" (above).
+    min_capacity: the fewest slots.
 
   Returns:
-    Slots per expert per source device (0 for no tokens).
+    Slots per expert per source device.
 
   Raises:
-    ValueError: a negative ``tokens``; ``num_experts``, ``k`` or ``multiple`` below 1; a
-      ``factor`` that is not a finite number above 0.
+    ValueError: a negative ``tokens`` or ``min_capacity``; ``num_experts``, ``k`` or
+      ``multiple`` below 1; a ``factor`` that is not a finite number above 0; another
+      ``convention``.
 
   Example:
     >>> import jaxcoll
     >>> jaxcoll.moe.capacity(1024, 16, 2, 1.25)
     160
+    >>> jaxcoll.moe.capacity(1024, 16, 2, 1.25, convention="flaxformer", min_capacity=4)
+    80
+    >>> jaxcoll.moe.capacity(1024, 16, 2, 1.25, convention="maxtext")
+    160
   """
   check_int(tokens, "tokens", least=0)
   for name, v in (("num_experts", num_experts), ("k", k), ("multiple", multiple)):
     check_int(v, name, least=1)
+  check_int(min_capacity, "min_capacity", least=0)
   check_number(factor, "factor", above=0)
-  slots = math.ceil(k * tokens * factor / num_experts)
-  return -(-slots // multiple) * multiple
+  if convention not in _SLOTS:
+    raise ValueError(f"convention={convention!r}: expected one of {CONVENTIONS}")
+  slots = _SLOTS[convention](tokens, num_experts, k, factor)
+  return -(-max(slots, min_capacity) // multiple) * multiple
 
 
 balanced_capacity = capacity   # dispatch's and explain's ``capacity`` shadows the function
