@@ -5,6 +5,7 @@ from jaxcoll._src.integrations.moe import (
   combine,
   dispatch,
   expert_load,
+  jitter,
   load_balancing_loss,
   route,
   router_z_loss,
@@ -15,5 +16,5 @@ from jaxcoll._src.integrations.moe_cost import explain_moe as explain
 from jaxcoll._src.integrations.moe_routers import route_biased, update_bias
 
 __all__ = ("MoECall", "MoEExplanation", "RoutingState", "capacity", "combine", "dispatch",
-           "expert_load", "explain", "load_balancing_loss", "route", "route_biased",
+           "expert_load", "explain", "jitter", "load_balancing_loss", "route", "route_biased",
            "router_z_loss", "total_dropped", "update_bias")

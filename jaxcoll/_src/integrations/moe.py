@@ -50,6 +50,7 @@ from jaxcoll.extend import (
   check_algorithm,
   check_flag,
   check_int,
+  check_number,
   normalize_axes,
   wire_format,
 )
@@ -63,20 +64,27 @@ def _logits(logits, where: str):
   return logits
 
 
-def route(logits, k: int, *, renormalize: bool = True, num_experts: int | None = None):
+def route(logits, k: int, *, renormalize: bool = True, num_experts: int | None = None,
+          key=None):
   """Top-k routing: ``(expert_ids [T, k] int32, gates [T, k])``.
 
   Gates are the softmax probabilities (computed in float32) of the chosen experts, in
-  descending order, renormalised to sum to 1 over the k choices unless
+  the order chosen (descending without noise), renormalised to sum to 1 over the k choices unless
   ``renormalize=False``; they have the logits' dtype. ``num_experts``: the E that
   :func:`dispatch` is given, checked against the router's width (``logits.shape[1]``), so
   a router wider than the experts is an error here rather than dropped pairs later.
+
+  With a ``key``, the experts are chosen by the logits plus Gumbel noise (DeepSpeed's
+  ``noisy_gate_policy="RSample"``): a token's first choice is then a sample of the softmax
+  distribution (the Gumbel-max trick), the gates stay the noiseless probabilities. Noise
+  on the router's input instead (DeepSpeed's "Jitter") is :func:`jitter`.
 
   Args:
     logits: ``[T, E]`` router logits.
     k: choices per token, ``1 <= k <= E``.
     renormalize: renormalise the k gates to sum to 1.
     num_experts: the E of :func:`dispatch`, checked against ``logits.shape[1]``.
+    key: a ``jax.random`` key: choose with Gumbel noise (above); None: no noise.
 
   Returns:
     ``(expert_ids, gates)``, each ``[T, k]``.
@@ -97,10 +105,44 @@ def route(logits, k: int, *, renormalize: bool = True, num_experts: int | None =
     raise ValueError(f"num_experts={num_experts} differs from the router's width: logits "
                      f"have {logits.shape[1]} columns")
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  gates, ids = lax.top_k(probs, k)
+  if key is None:
+    gates, ids = lax.top_k(probs, k)
+  else:
+    ids = lax.top_k(logits.astype(jnp.float32) + jax.random.gumbel(key, logits.shape), k)[1]
+    gates = jnp.take_along_axis(probs, ids, axis=-1)
   if renormalize:
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
   return ids.astype(jnp.int32), gates.astype(logits.dtype)
+
+
+def jitter(x, key, epsilon: float = 1e-2):
+  """The router's input times noise uniform in [1 - epsilon, 1 + epsilon], elementwise
+  (DeepSpeed's ``noisy_gate_policy="Jitter"``, Switch's multiplicative jitter): apply it in
+  training, before the router's projection.
+
+  Args:
+    x: the tokens ``[..., d]`` the router reads.
+    key: a ``jax.random`` key.
+    epsilon: the noise's half-width, in [0, 1).
+
+  Returns:
+    ``x`` times the noise, in ``x``'s dtype.
+
+  Raises:
+    ValueError: an ``epsilon`` outside [0, 1).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxcoll
+    >>> y = jaxcoll.moe.jitter(jnp.ones(1000), jax.random.key(0), 0.1)
+    >>> bool(jnp.all((y >= 0.9) & (y <= 1.1)))
+    True
+  """
+  check_number(epsilon, "epsilon", least=0)
+  if epsilon >= 1:
+    raise ValueError(f"epsilon={epsilon!r}: expected a number in [0, 1)")
+  x = jnp.asarray(x)
+  noise = jax.random.uniform(key, x.shape, jnp.float32, 1.0 - epsilon, 1.0 + epsilon)
+  return (x * noise).astype(x.dtype)
 
 
 def load_balancing_loss(logits, expert_ids):
