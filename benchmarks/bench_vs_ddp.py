@@ -178,11 +178,11 @@ def tables(runs, topologies, rate) -> str:
     within[which].append(1 / 1.3 <= r <= 1.3)
     return f"{r:.2f} ({pred / max(alone):.2f}-{pred / min(alone):.2f})"
 
+  same = lambda a, b: all(a[k] == b[k] for k in ("model", "variant", "nbytes", "algorithm"))
   for key, title, *_ in topologies:
     jobs = runs.get(("jax", key), ())
     if not jobs:
       continue
-    same = lambda a, b: all(a[k] == b[k] for k in ("model", "variant", "nbytes", "algorithm"))
     sums = {}
     for i, b in enumerate(jobs[0].get("buckets", ())):   # every round runs them in this order
       times = [js["buckets"][i]["measured_s"] for js in jobs
