@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcoll._src.integrations.moe import _logits
 from jaxcoll.extend import check_int, check_number
 
 SCORES = {"sigmoid": jax.nn.sigmoid, "softmax": lambda s: jax.nn.softmax(s, axis=-1)}
@@ -57,10 +58,7 @@ def route_biased(logits, k: int, bias=None, *, score: str = "sigmoid", groups: i
     >>> round(float(gates.sum()), 4)      # gates: the sigmoid scores, normalised
     1.0
   """
-  logits = jnp.asarray(logits)
-  if logits.ndim != 2:
-    raise ValueError(f"route_biased: logits must be [tokens, experts], got shape "
-                     f"{logits.shape}")
+  logits = _logits(logits, "route_biased")
   t, e = logits.shape
   if score not in SCORES:
     raise ValueError(f"score={score!r}: expected one of {tuple(SCORES)}")
