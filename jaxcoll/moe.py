@@ -13,8 +13,9 @@ from jaxcoll._src.integrations.moe import (
 )
 from jaxcoll._src.integrations.moe_cost import MoECall, MoEExplanation, capacity
 from jaxcoll._src.integrations.moe_cost import explain_moe as explain
+from jaxcoll._src.integrations.moe_gmm import grouped_matmul
 from jaxcoll._src.integrations.moe_routers import route_biased, update_bias
 
 __all__ = ("MoECall", "MoEExplanation", "RoutingState", "capacity", "combine", "dispatch",
-           "expert_load", "explain", "jitter", "load_balancing_loss", "route", "route_biased",
-           "router_z_loss", "total_dropped", "update_bias")
+           "expert_load", "explain", "grouped_matmul", "jitter", "load_balancing_loss", "route",
+           "route_biased", "router_z_loss", "total_dropped", "update_bias")

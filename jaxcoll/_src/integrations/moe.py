@@ -37,7 +37,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcoll._src.checks import choice
 from jaxcoll._src.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
+from jaxcoll._src.integrations import moe_sorted
 from jaxcoll._src.integrations.moe_cost import (
   ALLGATHER,
   balanced_capacity,
@@ -218,6 +220,10 @@ class RoutingState:
     table: ``algorithm="allgather"`` only, ``[N, E/N, C]`` int32: the pair (numbered over
       all devices' pairs, source * T * k + t * k + j) in each slot of this device's experts,
       N * T * k where empty.
+    layout: "buffers" or "sorted" (:func:`dispatch`). Sorted: ``capacity`` is R, the rows
+      of the received array; ``slots`` each pair's rank among this device's pairs to its
+      expert; ``exchanged`` the rows per (source, destination) the trips sent.
+    plan: ``layout="sorted"`` only: where every row goes (``moe_sorted.Plan``).
   """
 
   expert_ids: jax.Array
@@ -232,6 +238,20 @@ class RoutingState:
   algorithm: object = dataclasses.field(metadata={"static": True})
   chunk: int = dataclasses.field(default=0, metadata={"static": True})
   table: jax.Array | None = None
+  layout: str = dataclasses.field(default="buffers", metadata={"static": True})
+  plan: moe_sorted.Plan | None = None
+
+  @property
+  def group_sizes(self) -> jax.Array:
+    """``layout="sorted"``: ``[E/N]`` int32, the received rows of each local expert, in
+    order (:func:`grouped_matmul`'s ``group_sizes``)."""
+    if self.plan is None:
+      raise ValueError(f"group_sizes: a dispatch of layout='sorted' has them; this one's "
+                       f"layout is {self.layout!r}")
+    return self.plan.group_sizes
+
+
+LAYOUTS = ("buffers", "sorted")
 
 
 def _slots(expert_ids, num_experts: int, capacity_: int):
@@ -321,7 +341,8 @@ def _check(x, expert_ids, num_experts, capacity_, n):
 
 
 def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name,
-             algorithm="auto", wire_dtype=None, chunk: int | None = None):
+             algorithm="auto", wire_dtype=None, chunk: int | None = None,
+             layout: str = "buffers", buffer_factor: float | None = None):
   """Sends each token to the devices that own its k experts.
 
   Args:
@@ -346,17 +367,30 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
     wire_dtype: compress the dispatch exchange (``jaxcoll.WIRE_DTYPES``); combine sends
       in the activation dtype.
     chunk: dropless only: slots per exchanged chunk (default: the balanced load,
-      ``capacity(T, E, k)``).
+      ``capacity(T, E, k)``); sorted layout: rows per (source, destination) a trip sends
+      (default: the balanced segment, ceil(T * k / N)).
+    layout: "buffers" (above) or "sorted": the received rows packed into one ``[R, d]``
+      array, expert-major (for local expert 0 the rows from device 0, then device 1, ...;
+      then local expert 1, ...), for a grouped matmul (:func:`grouped_matmul` with
+      ``state.group_sizes``). Dropless up to ``buffer_factor``, without per-expert worst-case
+      buffers; takes ``capacity=None`` and an all_to_all algorithm. How and what it costs:
+      ``jaxcoll/_src/integrations/moe_sorted.py``, docs/guide/moe.md.
+    buffer_factor: sorted layout only: R = ceil(buffer_factor * T * k) rows, the rows a
+      device receives over the mean load (T * k); pairs past R are dropped, by order
+      (local expert, source, rank), and counted in ``state.dropped`` by their source.
+      None (default): R = N * T * k, the most a device can receive, so nothing is dropped.
 
   Returns:
     ``(expert_inputs [E/N, N * C, d], state)``: for each local expert, C slots from each
     source device in device order (empty slots are zero), and a :class:`RoutingState`.
+    Sorted layout: ``(rows [R, d], state)``, zero past ``sum(state.group_sizes)``.
 
   Raises:
     ValueError: at trace time, naming the argument: shapes that do not match (``x`` not
       ``[T, d]``, ``expert_ids`` not ``[T, k]``), experts that do not divide among the
       devices, a capacity below 1, a ``chunk`` without a dropless dispatch, a bad algorithm
-      or wire format.
+      or wire format, a bad ``layout``, a ``capacity``, "allgather" or a ``buffer_factor``
+      with a layout they do not apply to.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
@@ -382,6 +416,12 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
   wire_format(wire_dtype, x.dtype)
   local = num_experts // n
   t, k = expert_ids.shape
+  if choice(layout, LAYOUTS, "layout") == "sorted":
+    return _dispatch_sorted(x, expert_ids, num_experts, capacity, axis_name, algorithm,
+                            wire_dtype, chunk, buffer_factor)
+  if buffer_factor is not None:
+    raise ValueError(f"buffer_factor={buffer_factor!r} applies to layout='sorted'; this "
+                     f"dispatch's layout is 'buffers'")
   dropless = capacity is None
   if not dropless and chunk is not None:
     raise ValueError(f"chunk={chunk!r} applies to a dropless dispatch (capacity=None); this one "
@@ -414,6 +454,31 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
     buf = _fill(x, table, k).reshape(n, local, capacity, d)
     buf = _exchange(buf, state, wire_dtype)
   return jnp.swapaxes(buf, 0, 1).reshape(local, n * capacity, d), state
+
+
+def _dispatch_sorted(x, expert_ids, num_experts, capacity, axis_name, algorithm, wire_dtype,
+                     chunk, buffer_factor):
+  """:func:`dispatch` with ``layout="sorted"`` (``moe_sorted``)."""
+  if capacity is not None:
+    raise ValueError(f"capacity={capacity!r} applies to layout='buffers'; the sorted layout "
+                     f"keeps every pair up to buffer_factor (pass capacity=None)")
+  if algorithm == ALLGATHER:
+    raise ValueError("algorithm='allgather' (the ring of experts) fills the buffers layout; "
+                     "layout='sorted' takes an all_to_all algorithm")
+  n = axis_size(normalize_axes(axis_name))
+  t, k = expert_ids.shape
+  if buffer_factor is not None:
+    check_number(buffer_factor, "buffer_factor", above=0)
+  rows = moe_sorted.rows_bound(t, k, n, buffer_factor)
+  chunk = -(-t * k // n) if chunk is None else check_int(chunk, "chunk", least=1, most=t * k)
+  ranks, valid, counts = _slots(expert_ids, num_experts, t * k)
+  p = moe_sorted.plan(expert_ids, ranks, counts, axis_name, num_experts=num_experts,
+                      rows=rows, chunk=chunk)
+  state = RoutingState(expert_ids.astype(jnp.int32), ranks, p.kept, counts,
+                       jnp.sum(~p.kept).astype(jnp.int32), (p.trips * chunk).astype(jnp.int32),
+                       int(num_experts), rows, axis_name, algorithm, chunk, layout="sorted",
+                       plan=p)
+  return moe_sorted.send(x[:, None], p, axis_name, algorithm, wire_dtype), state
 
 
 def _gathered_table(expert_ids, state: RoutingState):
@@ -493,6 +558,27 @@ def expert_load(state: RoutingState):
   return all_reduce(state.counts.astype(jnp.int32), state.axis_name)
 
 
+def _gates(gates, state: RoutingState):
+  gates = jnp.asarray(gates)
+  if gates.shape != state.expert_ids.shape:
+    raise ValueError(f"combine: gates must be [T, k] = {state.expert_ids.shape} like dispatch's "
+                     f"expert_ids, got shape {gates.shape}")
+  return gates
+
+
+def _combine_sorted(y, state: RoutingState, gates, wire_dtype):
+  """:func:`combine` of a ``layout="sorted"`` dispatch: the rows back to their pairs, each
+  token's gated sum."""
+  if y.ndim != 2 or y.shape[0] != state.capacity:
+    raise ValueError(f"combine: expert_outputs must be [{state.capacity}, d] (the sorted "
+                     f"layout's rows), got shape {y.shape}")
+  gates = _gates(gates, state)
+  wire_format(wire_dtype, y.dtype)
+  back = moe_sorted.give_back(y, state.plan, state.axis_name, state.algorithm, wire_dtype)
+  weights = jnp.where(state.kept, gates, jnp.zeros_like(gates)).astype(back.dtype)
+  return jnp.einsum("tk,tkd->td", weights, back)
+
+
 def combine(expert_outputs, state: RoutingState, gates, *, wire_dtype=None):
   """Each token's k expert outputs, weighted by ``gates`` ``[T, k]``: ``[T, d]``.
 
@@ -536,13 +622,12 @@ def combine(expert_outputs, state: RoutingState, gates, *, wire_dtype=None):
   n = axis_size(axes)
   local, c = state.num_experts // n, state.capacity
   y = jnp.asarray(expert_outputs)
+  if state.layout == "sorted":
+    return _combine_sorted(y, state, gates, wire_dtype)
   if y.shape[:2] != (local, n * c):
     raise ValueError(f"combine: expert_outputs must be [{local}, {n * c}, d] (dispatch's "
                      f"layout), got shape {y.shape}")
-  gates = jnp.asarray(gates)
-  if gates.shape != state.expert_ids.shape:
-    raise ValueError(f"combine: gates must be [T, k] = {state.expert_ids.shape} like dispatch's "
-                     f"expert_ids, got shape {gates.shape}")
+  gates = _gates(gates, state)
   d = y.shape[-1]
   y = jnp.swapaxes(y.reshape(local, n, c, d), 0, 1)                       # [N, E/N, C, d]
   if state.algorithm == ALLGATHER:   # this device's experts' share of every token's sum
