@@ -106,6 +106,81 @@ def child(args) -> int:
   return 0
 
 
+FFN = 2   # the layouts' experts: x @ w1 [d, FFN * d], gelu, @ w2 [FFN * d, d]
+
+
+def layouts(args) -> int:
+  """One MoE training step (route, dispatch, the experts' FFN, combine, and the gradients of
+  tokens and expert weights) per layout, side by side: time, and memory from
+  ``compiled.memory_analysis()``."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jaxcoll import moe, tools
+
+  axes = ("node", "local")
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), axes)
+  n, d = mesh.size, args.width
+  # (label, capacity factor (None: dropless), layout, buffer factor)
+  ways = [("capacity 1.25", 1.25, "buffers", None), ("dropless, buffers", None, "buffers", None),
+          ("dropless, sorted", None, "sorted", None)]
+  ways += [(f"sorted, buffer factor {f:g}", None, "sorted", f)
+           for f in (float(v) for v in args.buffer_factors.split(",") if v)]
+  if jax.process_index() == 0:
+    print(f"{jax.process_count()} process(es), mesh 2x4 (node, local), k={K}, d={d}, FFN "
+          f"{FFN * d}, float32, jax {jax.__version__}; a forward + backward step, medians; "
+          f"memory per device from compiled.memory_analysis(): temp, and peak = temp + "
+          f"arguments + outputs; ratios to capacity 1.25")
+    print("| E | tokens/device | layout | time | vs capacity | temp MiB | peak MiB | peak vs "
+          "capacity | dropped |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|", flush=True)
+  for e in (int(v) for v in args.experts.split(",")):
+    for t in (int(v) for v in args.tokens.split(",")):
+      rng = np.random.default_rng(t + e)
+      put = lambda a: jax.device_put(a.astype(np.float32), NamedSharding(mesh, P(axes)))
+      x = put(rng.standard_normal((n * t, d)))
+      logits = put(rng.standard_normal((n * t, e)))
+      w1 = put(rng.standard_normal((e, d, FFN * d)) / np.sqrt(d))
+      w2 = put(rng.standard_normal((e, FFN * d, d)) / np.sqrt(FFN * d))
+      programs, memory, drops = [], [], []
+      for _, factor, layout, buffer_factor in ways:
+        cap = None if factor is None else moe.capacity(t, e, K, factor)
+
+        def body(xb, lb, w1b, w2b, cap=cap, layout=layout, buffer_factor=buffer_factor):
+          def loss(xb, w1b, w2b):
+            ids, gates = moe.route(lb, K)
+            options = {} if layout == "buffers" else {"layout": layout,
+                                                      "buffer_factor": buffer_factor}
+            h, state = moe.dispatch(xb, ids, num_experts=e, capacity=cap, axis_name=axes,
+                                    **options)
+            if layout == "sorted":
+              gmm = lambda a, w: moe.grouped_matmul(a, w, state.group_sizes)
+            else:
+              gmm = lambda a, w: jnp.einsum("lcd,ldf->lcf", a, w)
+            y = gmm(jax.nn.gelu(gmm(h, w1b)), w2b)
+            return jnp.sum(moe.combine(y, state, gates) ** 2), moe.total_dropped(state)
+          (_, dropped), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(xb, w1b, w2b)
+          return grads, dropped[None]
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes),) * 4,
+                                  out_specs=((P(axes),) * 3, P(axes))))
+        mem = f.lower(x, logits, w1, w2).compile().memory_analysis()
+        memory.append((mem.temp_size_in_bytes, mem.temp_size_in_bytes
+                       + mem.argument_size_in_bytes + mem.output_size_in_bytes))
+        drops.append(int(np.asarray(f(x, logits, w1, w2)[1].addressable_shards[0].data)[0]))
+        programs.append(lambda f=f: jax.block_until_ready(f(x, logits, w1, w2)))
+      times = tools.interleaved(programs, reps=args.reps, min_seconds=args.min_seconds)
+      med = [statistics.median(v) for v in times]
+      if jax.process_index() == 0:
+        for (name, *_), m, (temp, peak), drop in zip(ways, med, memory, drops):
+          print(f"| {e} | {t} | {name} | {m * 1e3:.1f} ms | {m / med[0]:.2f} | "
+                f"{temp / 2**20:.1f} | {peak / 2**20:.1f} | {peak / memory[0][1]:.2f} | {drop} |",
+                flush=True)
+  return 0
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--tokens", default="256,1024,4096", help="tokens per device")
@@ -121,8 +196,16 @@ def main(argv=None) -> int:
                       help="GiB: skip allgather where the devices' gathered tokens need more")
   parser.add_argument("--pieces", default="8,1",
                       help="stage pieces of the cut hierarchical rows (node, local)")
+  parser.add_argument("--layouts", action="store_true",
+                      help="a training step per layout (capacity 1.25, dropless buffers, "
+                           "sorted) instead: time and memory")
+  parser.add_argument("--experts", default="16,64", help="--layouts: experts")
+  parser.add_argument("--width", type=int, default=256, help="--layouts: d")
+  parser.add_argument("--buffer-factors", default="1.25,1.5",
+                      help="--layouts: the sorted layout's bounded rows also at these factors")
   from jaxcoll.launch import benchmark
-  return benchmark(parser, child, __file__, argv)
+  return benchmark(parser, lambda args: (layouts if args.layouts else child)(args), __file__,
+                   argv)
 
 
 if __name__ == "__main__":

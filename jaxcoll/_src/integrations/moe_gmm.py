@@ -10,12 +10,12 @@ temp for a 1 MiB input at G = 16), which would undo the sorted layout's memory s
 so on CPU it runs tiled, the way MaxText's megablox tiles its grid: the rows are cut into
 tiles of ``tile`` rows; a (tile, group) *visit* multiplies the tile's rows of one group by
 that group's weight. A group spans consecutive tiles and two neighbouring groups share at
-most one tile, so at most m / tile + G - 1 visits cover every row, a static bound: one
-``lax.scan`` over them, the visits past the real count masked. Work: at most
-(m + (G - 1) * tile) * d * f multiply-adds, G - 1 tiles more than one matmul of the rows;
-temporary memory: one tile. Its VJP is two more such scans (rows times w transposed, and
-each visit's x^T dy added into its group's weight gradient), saving only x, w and the
-group sizes.
+most one tile, so at most m / tile + G - 1 visits cover every row (the rows in the groups,
+sum(group_sizes), set the real count): one loop over the real visits. Work: at most
+(sum(group_sizes) + (G - 1) * tile) * d * f multiply-adds, at most G - 1 tiles more than
+one matmul of the grouped rows, and none for the rows past them; temporary memory: one
+tile. Its VJP is two more such loops (rows times w transposed, and each visit's x^T dy
+added into its group's weight gradient), saving only x, w and the group sizes.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _zeros(shape, *operands):
 
 def _visits(group_sizes, m: int, tile: int):
   """Per visit v < m / tile + G - 1: its group, tile, and the rows ``[lo, hi)`` of the group
-  (lo = hi = 0 past the real visits, so they are masked out)."""
+  (lo = hi = 0 past the real visits, so they are masked out); and the real visits."""
   num = group_sizes.shape[0]
   ends = jnp.cumsum(group_sizes)
   starts = ends - group_sizes
@@ -55,34 +55,36 @@ def _visits(group_sizes, m: int, tile: int):
   tile_of = jnp.clip(first[group] + v - (visit_end - spans)[group], 0, m // tile - 1)
   lo = jnp.where(real, starts[group], 0)
   hi = jnp.where(real, ends[group], 0)
-  return group, tile_of, lo, hi
+  return group, tile_of, lo, hi, visit_end[-1]
 
 
-def _tiles(x, group_sizes, tile: int):
-  """The visits and, for each, its tile's rows of ``x`` with the other groups' rows zeroed."""
-  group, tile_of, lo, hi = _visits(group_sizes, x.shape[0], tile)
+def _over_visits(x, group_sizes, tile: int, visit, init):
+  """``visit(i, carry, g, t, rows)`` over the real visits (a loop of their dynamic count, so
+  the rows past the groups cost nothing), ``rows`` the tile's rows of ``x`` with the other
+  groups' rows zeroed."""
+  group, tile_of, lo, hi, count = _visits(group_sizes, x.shape[0], tile)
 
-  def rows(t, a, b):
+  def body(i, carry):
+    t = tile_of[i]
     r = t * tile + jnp.arange(tile)
     block = lax.dynamic_slice_in_dim(x, t * tile, tile)
-    return jnp.where(((r >= a) & (r < b))[:, None], block, jnp.zeros_like(block))
-  return group, tile_of, rows, (lo, hi)
+    rows = jnp.where(((r >= lo[i]) & (r < hi[i]))[:, None], block, jnp.zeros_like(block))
+    return visit(carry, group[i], t, rows)
+  return lax.fori_loop(0, count, body, init)
 
 
 def _tiled(x, w, group_sizes, tile: int, transposed: bool = False):
   """``x`` by ``w`` (by ``w[g].T`` where ``transposed``, without a transposed copy of w)."""
-  group, tile_of, rows, (lo, hi) = _tiles(x, group_sizes, tile)
   contract = 2 if transposed else 1
 
-  def visit(y, v):
-    g, t, a, b = v
-    part = lax.dot_general(rows(t, a, b), w[g], (((1,), (contract - 1,)), ((), ())),
+  def visit(y, g, t, rows):
+    part = lax.dot_general(rows, w[g], (((1,), (contract - 1,)), ((), ())),
                            preferred_element_type=jnp.float32)
     cur = lax.dynamic_slice_in_dim(y, t * tile, tile)
-    return lax.dynamic_update_slice_in_dim(y, cur + part, t * tile, 0), None
+    return lax.dynamic_update_slice_in_dim(y, cur + part, t * tile, 0)
 
   y0 = _zeros((x.shape[0], w.shape[3 - contract]), x, w, group_sizes)
-  return lax.scan(visit, y0, (group, tile_of, lo, hi))[0].astype(jnp.result_type(x, w))
+  return _over_visits(x, group_sizes, tile, visit, y0).astype(jnp.result_type(x, w))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -97,21 +99,19 @@ def _tiled_gmm_fwd(x, w, group_sizes, tile):
 def _tiled_gmm_bwd(tile, saved, dy):
   x, w, group_sizes = saved
   dx = _tiled(dy, w, group_sizes, tile, transposed=True).astype(x.dtype)
-  group, tile_of, rows, (lo, hi) = _tiles(x, group_sizes, tile)
 
-  def visit(dw, v):
-    g, t, a, b = v
+  def visit(dw, g, t, rows):
     dyt = lax.dynamic_slice_in_dim(dy, t * tile, tile)
-    return dw.at[g].add(jnp.matmul(rows(t, a, b).T, dyt, preferred_element_type=jnp.float32)), None
+    return dw.at[g].add(jnp.matmul(rows.T, dyt, preferred_element_type=jnp.float32))
 
-  dw = lax.scan(visit, _zeros(w.shape, x, w, group_sizes, dy), (group, tile_of, lo, hi))[0]
+  dw = _over_visits(x, group_sizes, tile, visit, _zeros(w.shape, x, w, group_sizes, dy))
   return dx, dw.astype(w.dtype), None
 
 
 _tiled_gmm.defvjp(_tiled_gmm_fwd, _tiled_gmm_bwd)
 
 
-def grouped_matmul(x, w, group_sizes, *, implementation: str = "auto", tile: int = 128):
+def grouped_matmul(x, w, group_sizes, *, implementation: str = "auto", tile: int = 64):
   """Rows of ``x`` in consecutive groups, each times its group's weight:
   ``y[r] = x[r] @ w[g]`` for the rows r of group g; rows past ``sum(group_sizes)`` give zero.
 
