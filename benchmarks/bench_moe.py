@@ -149,7 +149,7 @@ def layouts(args) -> int:
       for _, factor, layout, buffer_factor in ways:
         cap = None if factor is None else moe.capacity(t, e, K, factor)
 
-        def body(xb, lb, w1b, w2b, cap=cap, layout=layout, buffer_factor=buffer_factor):
+        def body(xb, lb, w1b, w2b, cap=cap, layout=layout, buffer_factor=buffer_factor, e=e):
           def loss(xb, w1b, w2b):
             ids, gates = moe.route(lb, K)
             options = {} if layout == "buffers" else {"layout": layout,
@@ -166,11 +166,12 @@ def layouts(args) -> int:
           return grads, dropped[None]
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes),) * 4,
                                   out_specs=((P(axes),) * 3, P(axes))))
-        mem = f.lower(x, logits, w1, w2).compile().memory_analysis()
+        inputs = (x, logits, w1, w2)
+        mem = f.lower(*inputs).compile().memory_analysis()
         memory.append((mem.temp_size_in_bytes, mem.temp_size_in_bytes
                        + mem.argument_size_in_bytes + mem.output_size_in_bytes))
-        drops.append(int(np.asarray(f(x, logits, w1, w2)[1].addressable_shards[0].data)[0]))
-        programs.append(lambda f=f: jax.block_until_ready(f(x, logits, w1, w2)))
+        drops.append(int(np.asarray(f(*inputs)[1].addressable_shards[0].data)[0]))
+        programs.append(lambda f=f, inputs=inputs: jax.block_until_ready(f(*inputs)))
       times = tools.interleaved(programs, reps=args.reps, min_seconds=args.min_seconds)
       med = [statistics.median(v) for v in times]
       if jax.process_index() == 0:
