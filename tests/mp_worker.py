@@ -6,6 +6,8 @@
   mp_worker.py topology      link classes read from the devices of the two processes
   mp_worker.py plain_topology  the same in a job joined by jax.distributed.initialize alone:
                              hosts from the boot ids jax's own backend published
+  mp_worker.py plain_moe_sorted  the sorted MoE layout's training step across the two
+                             processes of such a job equals the dense reference
 """
 
 from __future__ import annotations
@@ -140,6 +142,45 @@ def plain_topology() -> None:
   topology()
 
 
+def plain_moe_sorted() -> None:
+  """The sorted MoE layout across the process boundary in a job joined by
+  jax.distributed.initialize alone: a training step's outputs, drops and gradients equal
+  the dense reference (tests/test_moe_sorted.py's)."""
+  import jax.numpy as jnp
+
+  from jaxcoll import moe
+  from tests.test_moe_sorted import D, dense, kept_pairs, routed
+
+  axes = ("process", "local")
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), axes)
+  n, e, k, t, factor = 8, 16, 2, 12, 1.25
+  x, ids, gates, w = routed(n, t, e, k, 3.0, seed=11)
+  kept = kept_pairs(ids, e, int(np.ceil(factor * t * k)))
+  assert (~kept).sum() > 0   # the bound bites
+
+  def step(v):
+    def loss(xb, wb):
+      h, state = moe.dispatch(xb, v["ids"], num_experts=e, capacity=None, axis_name=axes,
+                              layout="sorted", buffer_factor=factor)
+      out = moe.combine(jnp.tanh(moe.grouped_matmul(h, wb, state.group_sizes)), state,
+                        v["gates"])
+      return jnp.sum(jnp.sin(out)), (out, moe.total_dropped(state))
+    (_, (out, dropped)), grads = jax.value_and_grad(loss, (0, 1), has_aux=True)(v["x"], v["w"])
+    return {"out": out, "dropped": dropped, "gx": grads[0], "gw": grads[1]}
+
+  got = run(mesh, step, {"x": x, "ids": ids, "gates": gates,
+                         "w": w.reshape(n, e // n, D, D)})
+  rows = _local_rows(mesh)
+  want = dense(x, w, ids, gates, kept)
+  gx, gw = jax.grad(lambda x, w: jnp.sum(jnp.sin(dense(x, w, ids, gates, kept))), (0, 1))(x, w)
+  np.testing.assert_allclose(got["out"], np.asarray(want)[rows], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got["gx"], np.asarray(gx)[rows], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got["gw"], np.asarray(gw).reshape(n, e // n, D, D)[rows],
+                             rtol=1e-5, atol=1e-5)
+  assert set(got["dropped"].tolist()) == {int((~kept).sum())}, got["dropped"]
+  print(f"rank {jax.process_index()}: sorted moe ok, {int((~kept).sum())} dropped", flush=True)
+
+
 if __name__ == "__main__":
   {"collectives": collectives, "fail": fail, "topology": topology,
-   "plain_topology": plain_topology}[sys.argv[1]]()
+   "plain_topology": plain_topology, "plain_moe_sorted": plain_moe_sorted}[sys.argv[1]]()

@@ -48,6 +48,13 @@ def test_hosts_are_found_in_a_job_joined_by_jax_distributed_alone():
   assert "[0] rank 0: topology ok" in done.stdout and "[1] rank 1: topology ok" in done.stdout
 
 
+def test_sorted_moe_across_processes_joined_by_jax_distributed_alone():
+  done, _ = run_worker("plain_moe_sorted", timeout=300)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  for rank in (0, 1):
+    assert f"[{rank}] rank {rank}: sorted moe ok" in done.stdout, done.stdout[-3000:]
+
+
 def test_a_rank_that_raises_fails_the_launch_fast_with_its_traceback():
   done, elapsed = run_worker("fail", timeout=300)
   assert done.returncode == 1, done.stdout[-3000:]
