@@ -4,6 +4,7 @@ from jaxcoll._src.integrations.moe import (
   RoutingState,
   combine,
   dispatch,
+  dispatch_chosen,
   expert_load,
   jitter,
   load_balancing_loss,
@@ -14,8 +15,9 @@ from jaxcoll._src.integrations.moe import (
 from jaxcoll._src.integrations.moe_cost import MoECall, MoEExplanation, capacity
 from jaxcoll._src.integrations.moe_cost import explain_moe as explain
 from jaxcoll._src.integrations.moe_gmm import grouped_matmul
-from jaxcoll._src.integrations.moe_routers import route_biased, update_bias
+from jaxcoll._src.integrations.moe_routers import route_biased, route_experts, update_bias
 
 __all__ = ("MoECall", "MoEExplanation", "RoutingState", "capacity", "combine", "dispatch",
-           "expert_load", "explain", "grouped_matmul", "jitter", "load_balancing_loss", "route",
-           "route_biased", "router_z_loss", "total_dropped", "update_bias")
+           "dispatch_chosen", "expert_load", "explain", "grouped_matmul", "jitter",
+           "load_balancing_loss", "route", "route_biased", "route_experts", "router_z_loss",
+           "total_dropped", "update_bias")

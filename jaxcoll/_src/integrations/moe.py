@@ -220,10 +220,13 @@ class RoutingState:
     table: ``algorithm="allgather"`` only, ``[N, E/N, C]`` int32: the pair (numbered over
       all devices' pairs, source * T * k + t * k + j) in each slot of this device's experts,
       N * T * k where empty.
-    layout: "buffers" or "sorted" (:func:`dispatch`). Sorted: ``capacity`` is R, the rows
-      of the received array; ``slots`` each pair's rank among this device's pairs to its
-      expert; ``exchanged`` the rows per (source, destination) the trips sent.
+    layout: "buffers" or "sorted" (:func:`dispatch`), or "chosen" (:func:`dispatch_chosen`).
+      Sorted: ``capacity`` is R, the rows of the received array; ``slots`` each pair's rank
+      among this device's pairs to its expert; ``exchanged`` the rows per (source,
+      destination) the trips sent. Chosen: ``expert_ids`` holds the ``[E, C]`` tokens each
+      expert chose, ``kept`` which of them are tokens of this device.
     plan: ``layout="sorted"`` only: where every row goes (``moe_sorted.Plan``).
+    tokens: ``layout="chosen"`` only: T, this device's tokens.
   """
 
   expert_ids: jax.Array
@@ -240,6 +243,7 @@ class RoutingState:
   table: jax.Array | None = None
   layout: str = dataclasses.field(default="buffers", metadata={"static": True})
   plan: moe_sorted.Plan | None = None
+  tokens: int = dataclasses.field(default=0, metadata={"static": True})
 
   @property
   def group_sizes(self) -> jax.Array:
@@ -481,6 +485,70 @@ def _dispatch_sorted(x, expert_ids, num_experts, capacity, axis_name, algorithm,
   return moe_sorted.send(x[:, None], p, axis_name, algorithm, wire_dtype), state
 
 
+def dispatch_chosen(x, token_ids, *, axis_name, algorithm="auto", wire_dtype=None):
+  """Sends the tokens each expert chose (expert-choice routing, :func:`route_experts`) to
+  the device that owns the expert.
+
+  Every expert takes exactly C of this device's tokens, so there is no capacity to exceed
+  and nothing is dropped: the ``[E, C, d]`` buffers are filled by a gather through
+  ``token_ids`` and go to the experts' owners in one all_to_all, as :func:`dispatch`'s
+  buffers layout. Cost per device: (N-1)/N * E * C * d * itemsize bytes each way.
+
+  Args:
+    x: this device's tokens ``[T, d]``.
+    token_ids: ``[E, C]`` int, the tokens of ``x`` each expert chose (an id outside
+      [0, T) is an empty slot); E a multiple of the axis size N, device r owns experts
+      r * E/N ... (r+1) * E/N - 1.
+    axis_name: the expert-parallel mesh axis (or tuple).
+    algorithm: an all_to_all algorithm, or "auto".
+    wire_dtype: compress the dispatch exchange (``jaxcoll.WIRE_DTYPES``).
+
+  Returns:
+    ``(expert_inputs [E/N, N * C, d], state)``: :func:`dispatch`'s buffers layout, and the
+    :class:`RoutingState` that :func:`combine` takes with gates ``[E, C]``.
+
+  Raises:
+    ValueError: ``x`` not ``[T, d]``, ``token_ids`` not ``[E, C]`` integers, E not a
+      multiple of the axis size, a bad algorithm ("allgather" included) or wire format.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("expert",))
+    >>> def layer(x, logits):   # 4 experts, each takes its top 2 tokens and doubles them
+    ...   tokens, gates = jaxcoll.moe.route_experts(logits, 2)
+    ...   inputs, state = jaxcoll.moe.dispatch_chosen(x, tokens, axis_name="expert")
+    ...   return jaxcoll.moe.combine(2 * inputs, state, gates)
+    >>> f = jax.shard_map(layer, mesh=mesh, in_specs=jax.P("expert"),
+    ...                   out_specs=jax.P("expert"), check_vma=False)
+    >>> logits = 4 * jax.nn.one_hot(jnp.arange(32) % 4, 4)   # token t prefers expert t % 4
+    >>> out = f(jnp.ones((32, 1)), logits)
+    >>> top = jax.nn.softmax(logits).max(axis=-1)   # each token's probability for its expert
+    >>> bool(jnp.allclose(out[:, 0], 2 * top))        # each token chosen once, by that expert
+    True
+  """
+  axes = normalize_axes(axis_name)
+  n = axis_size(axes)
+  x, token_ids = jnp.asarray(x), jnp.asarray(token_ids)
+  if x.ndim != 2:
+    raise ValueError(f"dispatch_chosen: x must be this device's tokens [T, d], got shape "
+                     f"{x.shape}")
+  if token_ids.ndim != 2 or not jnp.issubdtype(token_ids.dtype, jnp.integer):
+    raise ValueError(f"dispatch_chosen: token_ids must be [E, C] integers, got "
+                     f"{token_ids.dtype}{list(token_ids.shape)}")
+  e, c = token_ids.shape
+  check_sizes(e, c, n)
+  check_algorithm("all_to_all", algorithm, num_axes=len(axes))
+  wire_format(wire_dtype, x.dtype)
+  t, d = x.shape
+  valid = (token_ids >= 0) & (token_ids < t)
+  table = jnp.where(valid, token_ids, t).astype(jnp.int32)
+  state = RoutingState(table, jnp.zeros_like(table), valid, jnp.sum(valid, axis=1),
+                       jnp.int32(0), jnp.int32(c), int(e), int(c), axis_name, algorithm,
+                       layout="chosen", tokens=int(t))
+  buf = _exchange(_fill(x, table, 1).reshape(n, e // n, c, d), state, wire_dtype)
+  return jnp.swapaxes(buf, 0, 1).reshape(e // n, n * c, d), state
+
+
 def _gathered_table(expert_ids, state: RoutingState):
   """The ring of experts' slot table ``[N, E/N, C]``: for each source device, its pairs
   routed to this device's experts, numbered over every device's pairs (source * T * k +
@@ -591,7 +659,8 @@ def combine(expert_outputs, state: RoutingState, gates, *, wire_dtype=None):
     expert_outputs: the experts' outputs, ``[E/N, N * C, d]`` as :func:`dispatch` laid out
       their inputs.
     state: the :class:`RoutingState` :func:`dispatch` returned.
-    gates: ``[T, k]`` combine weights (:func:`route`'s).
+    gates: ``[T, k]`` combine weights (:func:`route`'s); after :func:`dispatch_chosen`
+      ``[E, C]`` (:func:`route_experts`').
     wire_dtype: compress the combine exchange (``jaxcoll.WIRE_DTYPES``).
 
   Returns:
@@ -639,4 +708,8 @@ def combine(expert_outputs, state: RoutingState, gates, *, wire_dtype=None):
     return reduce_scatter(partial[:tokens].reshape(n, -1, d), state.axis_name,
                           scatter_dimension=0, tiled=True, wire_dtype=wire_dtype)[0]
   back = _exchange(y, state, wire_dtype).reshape(state.num_experts, c, d)
+  if state.layout == "chosen":    # each expert's C outputs to the tokens it chose
+    weights = jnp.where(state.kept, gates, jnp.zeros_like(gates)).astype(back.dtype)
+    return jnp.zeros((state.tokens, d), back.dtype).at[state.expert_ids].add(
+        weights[..., None] * back, mode="drop")
   return _gather(back, state.expert_ids, state.slots, state.kept, gates)

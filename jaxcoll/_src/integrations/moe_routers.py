@@ -1,4 +1,5 @@
-"""Routers beside :func:`jaxcoll.moe.route`: DeepSeek-V3's biased, group-limited top-k.
+"""Routers beside :func:`jaxcoll.moe.route`: DeepSeek-V3's biased, group-limited top-k, and
+expert choice.
 
 DeepSeek-V3 (arXiv:2412.19437, section 2.1.2) scores experts with a sigmoid, picks a token's
 k experts by score + a per-expert bias, and gates them by the score alone, normalised over
@@ -10,6 +11,12 @@ among them: with groups laid out by device or node, a token reaches at most ``to
 of them. The selection and gates equal MaxText's ``deepseek_routing`` (with its
 ``GateLogit`` scores and ``deepseek_scale_weights``), the JAX reference of DeepSeek-V3's
 ``Gate`` (``tests/test_moe.py``).
+
+Expert choice (Zhou et al., arXiv:2202.09368) turns the choice around: each expert takes
+the C tokens with the highest router probability for it (softmax over the experts), so
+every expert is exactly full, a token may go to several experts or none, and no
+balancing loss is needed. As flaxformer's ``ExpertsChooseMaskedRouter``, the tokens are
+this device's (its group); not for decoders, whose tokens would see the future.
 """
 
 from __future__ import annotations
@@ -117,3 +124,36 @@ def update_bias(bias, load, rate: float = 1e-3):
   check_number(rate, "rate", least=0)
   load = load.astype(jnp.float32)
   return (bias + rate * jnp.sign(jnp.mean(load) - load)).astype(bias.dtype)
+
+
+def route_experts(logits, capacity: int):
+  """Expert-choice routing: each expert's top ``capacity`` tokens of this device by router
+  probability (softmax over the experts, in float32), and those probabilities as gates.
+
+  Equal to flaxformer's ``ExpertsChooseMaskedRouter`` (``tests/test_moe_sorted.py``); feed
+  :func:`jaxcoll.moe.dispatch_chosen` and :func:`jaxcoll.moe.combine`.
+
+  Args:
+    logits: ``[T, E]`` router logits.
+    capacity: C, tokens per expert, at most T (:func:`jaxcoll.moe.capacity` with k = 1 gives
+      the usual C = T * f / E).
+
+  Returns:
+    ``(token_ids [E, C] int32, gates [E, C])``, each expert's tokens in descending
+    probability, gates in the logits' dtype.
+
+  Raises:
+    ValueError: ``logits`` not 2-D, ``capacity`` outside [1, T].
+
+  Example:
+    >>> import jax.numpy as jnp, jaxcoll
+    >>> logits = jnp.array([[3.0, 0.0], [2.0, 0.0], [0.0, 1.0]])
+    >>> tokens, gates = jaxcoll.moe.route_experts(logits, 2)
+    >>> tokens.tolist()        # expert 0 takes tokens 0 and 1, expert 1 tokens 2 and 1
+    [[0, 1], [2, 1]]
+  """
+  logits = _logits(logits, "route_experts")
+  check_int(capacity, "capacity", least=1, most=logits.shape[0])
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  gates, tokens = lax.top_k(probs.T, capacity)
+  return tokens.astype(jnp.int32), gates.astype(logits.dtype)
