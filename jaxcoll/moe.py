@@ -15,9 +15,10 @@ from jaxcoll._src.integrations.moe import (
 from jaxcoll._src.integrations.moe_cost import MoECall, MoEExplanation, capacity
 from jaxcoll._src.integrations.moe_cost import explain_moe as explain
 from jaxcoll._src.integrations.moe_gmm import grouped_matmul
+from jaxcoll._src.integrations.moe_layer import init_layer, layer
 from jaxcoll._src.integrations.moe_routers import route_biased, route_experts, update_bias
 
 __all__ = ("MoECall", "MoEExplanation", "RoutingState", "capacity", "combine", "dispatch",
-           "dispatch_chosen", "expert_load", "explain", "grouped_matmul", "jitter",
-           "load_balancing_loss", "route", "route_biased", "route_experts", "router_z_loss",
-           "total_dropped", "update_bias")
+           "dispatch_chosen", "expert_load", "explain", "grouped_matmul", "init_layer", "jitter",
+           "layer", "load_balancing_loss", "route", "route_biased", "route_experts",
+           "router_z_loss", "total_dropped", "update_bias")
