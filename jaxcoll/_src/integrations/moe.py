@@ -23,6 +23,11 @@ routing instead (an all_gather of T * d values per device), fills the same
 per-source partial sums: no all-to-all, fewer bytes when k * capacity factor > N.
 ``algorithm="auto"`` prices both (:mod:`moe_cost`, ``jaxcoll.moe.explain``).
 
+``layout="sorted"`` (``moe_sorted``) packs the rows each device receives into one
+``[R, d]`` array, expert-major, for a grouped matmul: dropless without per-expert
+worst-case buffers. :func:`dispatch_chosen` sends expert-choice routing's ``[E, C]``
+tokens through the same buffers.
+
 Costs per device, with M = T * d * itemsize: the all-to-all dispatch sends
 (N-1)/N * E * C * d * itemsize bytes (direct: N-1 steps), as does combine; allgather
 sends (N-1) * M forward (all_gather) and (N-1)/N * N * M back (reduce_scatter).
@@ -372,7 +377,7 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
       in the activation dtype.
     chunk: dropless only: slots per exchanged chunk (default: the balanced load,
       ``capacity(T, E, k)``); sorted layout: rows per (source, destination) a trip sends
-      (default: the balanced segment, ceil(T * k / N)).
+      (default: a quarter of the balanced segment, ceil(T * k / (4 N))).
     layout: "buffers" (above) or "sorted": the received rows packed into one ``[R, d]``
       array, expert-major (for local expert 0 the rows from device 0, then device 1, ...;
       then local expert 1, ...), for a grouped matmul (:func:`grouped_matmul` with
@@ -474,7 +479,8 @@ def _dispatch_sorted(x, expert_ids, num_experts, capacity, axis_name, algorithm,
   if buffer_factor is not None:
     check_number(buffer_factor, "buffer_factor", above=0)
   rows = moe_sorted.rows_bound(t, k, n, buffer_factor)
-  chunk = -(-t * k // n) if chunk is None else check_int(chunk, "chunk", least=1, most=t * k)
+  chunk = moe_sorted.default_chunk(t, k, n) if chunk is None else \
+      check_int(chunk, "chunk", least=1, most=t * k)
   ranks, valid, counts = _slots(expert_ids, num_experts, t * k)
   p = moe_sorted.plan(expert_ids, ranks, counts, axis_name, num_experts=num_experts,
                       rows=rows, chunk=chunk)
