@@ -8,7 +8,8 @@ axes), varying/invariant typing (:func:`make_varying`, :func:`check_vma_enabled`
 values of a jaxpr differ between devices: :func:`varying`), argument checks
 (:func:`check_op`, :func:`check_choice`, :func:`check_algorithm`, :func:`check_axis_names`,
 :func:`check_accumulate`, :func:`check_int`, :func:`check_number`, :func:`check_flag`,
-:func:`check_floating`, :func:`check_rounding`: each error names the argument), rounding a
+:func:`check_floating`, :func:`check_rounding`, :func:`check_one_of`: each error names the
+argument), rounding a
 reduction's result (:func:`round_to`, stochastically with a key; :func:`low_precision`:
 which dtypes it rounds), wire formats (:func:`wire_format`,
 which reads a ``wire_dtype=`` argument once into a :class:`jaxcoll.WireFormat` that the
@@ -30,6 +31,7 @@ from jaxcoll._src.checks import accumulate as check_accumulate
 from jaxcoll._src.checks import algorithm as check_algorithm
 from jaxcoll._src.checks import as_axes, axes_in_mesh, mesh_shape
 from jaxcoll._src.checks import axis_tuple as check_axis_names
+from jaxcoll._src.checks import choice as check_one_of
 from jaxcoll._src.checks import flag as check_flag
 from jaxcoll._src.checks import floating as check_floating
 from jaxcoll._src.checks import integer as check_int
@@ -69,6 +71,7 @@ __all__ = (
     "check_floating",
     "check_int",
     "check_number",
+    "check_one_of",
     "check_op",
     "check_rounding",
     "check_vma_enabled",

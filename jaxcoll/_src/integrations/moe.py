@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcoll._src.checks import choice
 from jaxcoll._src.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from jaxcoll._src.integrations import moe_sorted
 from jaxcoll._src.integrations.moe_cost import (
@@ -58,6 +57,7 @@ from jaxcoll.extend import (
   check_flag,
   check_int,
   check_number,
+  check_one_of,
   normalize_axes,
   wire_format,
 )
@@ -294,10 +294,9 @@ def _fill(x, table, k: int):
   return padded[table // k]
 
 
-def _gather(buf, expert_ids, slots, kept, gates):
-  """sum_j gates[t, j] * buf[expert_ids[t, j], slots[t, j]] over kept pairs: [T, d]."""
+def _gather(buf, expert_ids, slots, weights):
+  """sum_j weights[t, j] * buf[expert_ids[t, j], slots[t, j]]: [T, d]."""
   picked = buf.at[expert_ids, slots].get(mode="fill", fill_value=0)       # [T, k, d]
-  weights = jnp.where(kept, gates, jnp.zeros_like(gates)).astype(picked.dtype)
   return jnp.einsum("tk,tkd->td", weights, picked)
 
 
@@ -425,7 +424,7 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
   wire_format(wire_dtype, x.dtype)
   local = num_experts // n
   t, k = expert_ids.shape
-  if choice(layout, LAYOUTS, "layout") == "sorted":
+  if check_one_of(layout, LAYOUTS, "layout") == "sorted":
     return _dispatch_sorted(x, expert_ids, num_experts, capacity, axis_name, algorithm,
                             wire_dtype, chunk, buffer_factor)
   if buffer_factor is not None:
@@ -481,7 +480,7 @@ def _dispatch_sorted(x, expert_ids, num_experts, capacity, axis_name, algorithm,
   rows = moe_sorted.rows_bound(t, k, n, buffer_factor)
   chunk = moe_sorted.default_chunk(t, k, n) if chunk is None else \
       check_int(chunk, "chunk", least=1, most=t * k)
-  ranks, valid, counts = _slots(expert_ids, num_experts, t * k)
+  ranks, _, counts = _slots(expert_ids, num_experts, t * k)
   p = moe_sorted.plan(expert_ids, ranks, counts, axis_name, num_experts=num_experts,
                       rows=rows, chunk=chunk)
   state = RoutingState(expert_ids.astype(jnp.int32), ranks, p.kept, counts,
@@ -632,12 +631,15 @@ def expert_load(state: RoutingState):
   return all_reduce(state.counts.astype(jnp.int32), state.axis_name)
 
 
-def _gates(gates, state: RoutingState):
+def _kept_gates(gates, state: RoutingState, dtype):
+  """``gates`` (checked against the routing's shape), zero where no pair was kept."""
   gates = jnp.asarray(gates)
   if gates.shape != state.expert_ids.shape:
-    raise ValueError(f"combine: gates must be [T, k] = {state.expert_ids.shape} like dispatch's "
-                     f"expert_ids, got shape {gates.shape}")
-  return gates
+    routing = "[E, C] like route_experts'" if state.layout == "chosen" else \
+        "[T, k] like dispatch's expert_ids"
+    raise ValueError(f"combine: gates must be {routing}, {state.expert_ids.shape}, got shape "
+                     f"{gates.shape}")
+  return jnp.where(state.kept, gates, jnp.zeros_like(gates)).astype(dtype)
 
 
 def _combine_sorted(y, state: RoutingState, gates, wire_dtype):
@@ -646,10 +648,9 @@ def _combine_sorted(y, state: RoutingState, gates, wire_dtype):
   if y.ndim != 2 or y.shape[0] != state.capacity:
     raise ValueError(f"combine: expert_outputs must be [{state.capacity}, d] (the sorted "
                      f"layout's rows), got shape {y.shape}")
-  gates = _gates(gates, state)
+  weights = _kept_gates(gates, state, y.dtype)
   wire_format(wire_dtype, y.dtype)
   back = moe_sorted.give_back(y, state.plan, state.axis_name, state.algorithm, wire_dtype)
-  weights = jnp.where(state.kept, gates, jnp.zeros_like(gates)).astype(back.dtype)
   return jnp.einsum("tk,tkd->td", weights, back)
 
 
@@ -702,20 +703,19 @@ def combine(expert_outputs, state: RoutingState, gates, *, wire_dtype=None):
   if y.shape[:2] != (local, n * c):
     raise ValueError(f"combine: expert_outputs must be [{local}, {n * c}, d] (dispatch's "
                      f"layout), got shape {y.shape}")
-  gates = _gates(gates, state)
+  weights = _kept_gates(gates, state, y.dtype)
   d = y.shape[-1]
   y = jnp.swapaxes(y.reshape(local, n, c, d), 0, 1)                       # [N, E/N, C, d]
   if state.algorithm == ALLGATHER:   # this device's experts' share of every token's sum
-    g = all_gather(gates, state.axis_name).reshape(-1)                  # [N * T * k]
-    tokens = g.shape[0] // gates.shape[1]
-    weights = jnp.concatenate([g, jnp.zeros((1,), g.dtype)])[state.table].astype(y.dtype)
-    partial = jnp.zeros((tokens + 1, d), y.dtype).at[state.table // gates.shape[1]].add(
-        y * weights[..., None])
-    return reduce_scatter(partial[:tokens].reshape(n, -1, d), state.axis_name,
+    g = all_gather(weights, state.axis_name).reshape(-1)                # [N * T * k]
+    k = weights.shape[1]
+    slot_weights = jnp.concatenate([g, jnp.zeros((1,), g.dtype)])[state.table]
+    partial = jnp.zeros((g.shape[0] // k + 1, d), y.dtype).at[state.table // k].add(
+        y * slot_weights[..., None])
+    return reduce_scatter(partial[:-1].reshape(n, -1, d), state.axis_name,
                           scatter_dimension=0, tiled=True, wire_dtype=wire_dtype)[0]
   back = _exchange(y, state, wire_dtype).reshape(state.num_experts, c, d)
   if state.layout == "chosen":    # each expert's C outputs to the tokens it chose
-    weights = jnp.where(state.kept, gates, jnp.zeros_like(gates)).astype(back.dtype)
     return jnp.zeros((state.tokens, d), back.dtype).at[state.expert_ids].add(
         weights[..., None] * back, mode="drop")
-  return _gather(back, state.expert_ids, state.slots, state.kept, gates)
+  return _gather(back, state.expert_ids, state.slots, weights)

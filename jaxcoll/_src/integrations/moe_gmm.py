@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcoll._src.checks import choice
-from jaxcoll.extend import check_int, make_varying
+from jaxcoll.extend import check_int, check_one_of, make_varying
 
 IMPLEMENTATIONS = ("auto", "ragged_dot", "tiled")
 
@@ -153,7 +152,7 @@ def grouped_matmul(x, w, group_sizes, *, implementation: str = "auto", tile: int
   if group_sizes.shape != w.shape[:1] or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
     raise ValueError(f"grouped_matmul: group_sizes must be [G] = [{w.shape[0]}] integers, got "
                      f"{group_sizes.dtype}{list(group_sizes.shape)}")
-  choice(implementation, IMPLEMENTATIONS, "implementation")
+  check_one_of(implementation, IMPLEMENTATIONS, "implementation")
   check_int(tile, "tile", least=1)
   if implementation == "auto":
     implementation = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"

@@ -31,7 +31,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxcoll._src.checks import choice
 from jaxcoll._src.integrations.moe import (
   combine,
   dispatch,
@@ -45,7 +44,7 @@ from jaxcoll._src.integrations.moe import (
 from jaxcoll._src.integrations.moe_cost import capacity
 from jaxcoll._src.integrations.moe_gmm import grouped_matmul
 from jaxcoll._src.integrations.moe_routers import route_biased, route_experts
-from jaxcoll.extend import axis_size, check_int, check_number, normalize_axes
+from jaxcoll.extend import axis_size, check_int, check_number, check_one_of, normalize_axes
 
 ROUTERS = ("softmax", "sigmoid", "experts")
 ACTIVATIONS = {"swiglu": None, "gelu": jax.nn.gelu, "relu": jax.nn.relu, "silu": jax.nn.silu}
@@ -81,7 +80,7 @@ def init_layer(key, d: int, ffn: int, num_experts: int, *, activation: str = "sw
   for value, where in ((d, "d"), (ffn, "ffn"), (num_experts, "num_experts")):
     check_int(value, where, least=1)
   check_int(shared_ffn, "shared_ffn", least=0)
-  choice(activation, tuple(ACTIVATIONS), "activation")
+  check_one_of(activation, tuple(ACTIVATIONS), "activation")
   keys = iter(jax.random.split(key, 8))
 
   def ffn_weights(lead: tuple, width: int) -> dict:
@@ -164,9 +163,9 @@ def layer(params: dict, x, *, axis_name, k: int | None = None, router: str = "so
     >>> y.shape, int(dropped[0])
     ((64, 16), 0)
   """
-  choice(router, ROUTERS, "router")
-  choice(layout, ("auto", "buffers", "sorted"), "layout")
-  choice(activation, tuple(ACTIVATIONS), "activation")
+  check_one_of(router, ROUTERS, "router")
+  check_one_of(layout, ("auto", "buffers", "sorted"), "layout")
+  check_one_of(activation, tuple(ACTIVATIONS), "activation")
   if capacity_factor is not None:
     check_number(capacity_factor, "capacity_factor", above=0)
   if key is not None and router != "softmax":
