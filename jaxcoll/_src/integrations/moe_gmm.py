@@ -58,9 +58,9 @@ def _visits(group_sizes, m: int, tile: int):
 
 
 def _over_visits(x, group_sizes, tile: int, visit, init):
-  """``visit(i, carry, g, t, rows)`` over the real visits (a loop of their dynamic count, so
-  the rows past the groups cost nothing), ``rows`` the tile's rows of ``x`` with the other
-  groups' rows zeroed."""
+  """``carry = visit(carry, g, t, rows)`` for each real visit (a loop of their dynamic count,
+  so the rows past the groups cost nothing): group g, tile t, and ``rows`` the tile's rows of
+  ``x`` with the other groups' rows zeroed."""
   group, tile_of, lo, hi, count = _visits(group_sizes, x.shape[0], tile)
 
   def body(i, carry):
