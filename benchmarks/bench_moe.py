@@ -152,10 +152,8 @@ def layouts(args) -> int:
         def body(xb, lb, w1b, w2b, cap=cap, layout=layout, buffer_factor=buffer_factor, e=e):
           def loss(xb, w1b, w2b):
             ids, gates = moe.route(lb, K)
-            options = {} if layout == "buffers" else {"layout": layout,
-                                                      "buffer_factor": buffer_factor}
             h, state = moe.dispatch(xb, ids, num_experts=e, capacity=cap, axis_name=axes,
-                                    **options)
+                                    layout=layout, buffer_factor=buffer_factor)
             if layout == "sorted":
               gmm = lambda a, w: moe.grouped_matmul(a, w, state.group_sizes)
             else:

@@ -303,10 +303,9 @@ def _gather(buf, expert_ids, slots, weights):
 def _exchange(buf, state: RoutingState, wire_dtype=None):
   """Block j of ``buf [N, E/N, C, d]`` to device j: one all_to_all, or in dropless mode a
   loop over chunks of slots up to ``state.exchanged`` (:func:`_chunked_exchange`)."""
-  options = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
   if not state.chunk:
     return all_to_all(buf, state.axis_name, 0, 0, tiled=True, algorithm=state.algorithm,
-                      **options)
+                      wire_dtype=wire_dtype)
   return _chunked_exchange(buf, state.exchanged // state.chunk, state.chunk, state.axis_name,
                            state.algorithm, wire_dtype)
 
@@ -316,11 +315,10 @@ def _chunked_exchange(buf, trips, chunk, axis_name, algorithm, wire_dtype):
   """``trips`` all_to_alls of ``chunk`` slots each; the slots past them stay zero. The
   exchange is its own transpose (block j <-> device j), so its VJP runs it on the
   cotangent with the same trip count."""
-  options = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
-
   def step(i, out):
     piece = lax.dynamic_slice_in_dim(buf, i * chunk, chunk, axis=2)
-    sent = all_to_all(piece, axis_name, 0, 0, tiled=True, algorithm=algorithm, **options)
+    sent = all_to_all(piece, axis_name, 0, 0, tiled=True, algorithm=algorithm,
+                      wire_dtype=wire_dtype)
     return lax.dynamic_update_slice_in_dim(out, sent.astype(out.dtype), i * chunk, axis=2)
 
   return lax.fori_loop(0, trips, step, jnp.zeros_like(buf))
@@ -425,7 +423,7 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
   local = num_experts // n
   t, k = expert_ids.shape
   if check_one_of(layout, LAYOUTS, "layout") == "sorted":
-    return _dispatch_sorted(x, expert_ids, num_experts, capacity, axis_name, algorithm,
+    return _dispatch_sorted(x, expert_ids, n, num_experts, capacity, axis_name, algorithm,
                             wire_dtype, chunk, buffer_factor)
   if buffer_factor is not None:
     raise ValueError(f"buffer_factor={buffer_factor!r} applies to layout='sorted'; this "
@@ -464,8 +462,8 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
   return jnp.swapaxes(buf, 0, 1).reshape(local, n * capacity, d), state
 
 
-def _dispatch_sorted(x, expert_ids, num_experts, capacity, axis_name, algorithm, wire_dtype,
-                     chunk, buffer_factor):
+def _dispatch_sorted(x, expert_ids, n, num_experts, capacity, axis_name, algorithm,
+                     wire_dtype, chunk, buffer_factor):
   """:func:`dispatch` with ``layout="sorted"`` (``moe_sorted``)."""
   if capacity is not None:
     raise ValueError(f"capacity={capacity!r} applies to layout='buffers'; the sorted layout "
@@ -473,7 +471,6 @@ def _dispatch_sorted(x, expert_ids, num_experts, capacity, axis_name, algorithm,
   if algorithm == ALLGATHER:
     raise ValueError("algorithm='allgather' (the ring of experts) fills the buffers layout; "
                      "layout='sorted' takes an all_to_all algorithm")
-  n = axis_size(normalize_axes(axis_name))
   t, k = expert_ids.shape
   if buffer_factor is not None:
     check_number(buffer_factor, "buffer_factor", above=0)

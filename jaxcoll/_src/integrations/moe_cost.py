@@ -38,6 +38,7 @@ from jaxcoll.extend import (
   axes_in_mesh,
   check_int,
   check_number,
+  check_one_of,
   format_seconds,
   format_size,
 )
@@ -153,8 +154,7 @@ def capacity(tokens: int, num_experts: int, k: int, factor: float = 1.0, *,
     check_int(v, name, least=1)
   check_int(min_capacity, "min_capacity", least=0)
   check_number(factor, "factor", above=0)
-  if convention not in _SLOTS:
-    raise ValueError(f"convention={convention!r}: expected one of {CONVENTIONS}")
+  check_one_of(convention, CONVENTIONS, "convention")
   slots = _SLOTS[convention](tokens, num_experts, k, factor)
   return -(-max(slots, min_capacity) // multiple) * multiple
 

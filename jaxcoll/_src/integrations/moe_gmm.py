@@ -116,7 +116,7 @@ def grouped_matmul(x, w, group_sizes, *, implementation: str = "auto", tile: int
 
   The expert compute of the sorted layout: ``x`` the rows :func:`dispatch` returned,
   ``group_sizes`` its ``state.group_sizes``, ``w`` the local experts' weights. Equal to
-  ``jax.lax.ragged_dot`` (module docstring: on CPU a tiled scan of at most m / tile + G - 1
+  ``jax.lax.ragged_dot`` (module docstring: on CPU a tiled loop of at most m / tile + G - 1
   tile matmuls, since XLA:CPU's ragged_dot takes G times the rows in temporaries).
 
   Args:

@@ -50,6 +50,11 @@ ROUTERS = ("softmax", "sigmoid", "experts")
 ACTIVATIONS = {"swiglu": None, "gelu": jax.nn.gelu, "relu": jax.nn.relu, "silu": jax.nn.silu}
 
 
+def _weight_names(activation: str) -> tuple[str, ...]:
+  """An expert's weights for ``activation``: SwiGLU's gate, up and out; an MLP's in and out."""
+  return ("w_gate", "w_up", "w_out") if activation == "swiglu" else ("w_in", "w_out")
+
+
 def init_layer(key, d: int, ffn: int, num_experts: int, *, activation: str = "swiglu",
                shared_ffn: int = 0, bias: bool = False, dtype=jnp.float32) -> dict:
   """Parameters for :func:`layer` (module docstring), global shapes; shard the expert
@@ -86,8 +91,8 @@ def init_layer(key, d: int, ffn: int, num_experts: int, *, activation: str = "sw
   def ffn_weights(lead: tuple, width: int) -> dict:
     normal = lambda shape, fan_in: (jax.random.normal(next(keys), lead + shape, dtype)
                                     / jnp.sqrt(fan_in).astype(dtype))
-    ins = ("w_gate", "w_up") if activation == "swiglu" else ("w_in",)
-    return {**{name: normal((d, width), d) for name in ins}, "w_out": normal((width, d), width)}
+    return {name: normal((width, d), width) if name == "w_out" else normal((d, width), d)
+            for name in _weight_names(activation)}
 
   params = {"router": jax.random.normal(next(keys), (d, num_experts), dtype) * 0.02,
             **ffn_weights((num_experts,), ffn)}
@@ -222,7 +227,7 @@ def layer(params: dict, x, *, axis_name, k: int | None = None, router: str = "so
 
 def _local(params: dict, local: int, activation: str) -> dict:
   """The expert weights, checked to be this device's ``[E/N, ...]``."""
-  names = ("w_gate", "w_up", "w_out") if activation == "swiglu" else ("w_in", "w_out")
+  names = _weight_names(activation)
   missing = [w for w in names if w not in params]
   if missing:
     raise ValueError(f"params lack {missing} for activation={activation!r} (init_layer makes "

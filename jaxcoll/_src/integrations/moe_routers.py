@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcoll._src.integrations.moe import _logits
-from jaxcoll.extend import check_int, check_number
+from jaxcoll.extend import check_int, check_number, check_one_of
 
 SCORES = {"sigmoid": jax.nn.sigmoid, "softmax": lambda s: jax.nn.softmax(s, axis=-1)}
 
@@ -67,8 +67,7 @@ def route_biased(logits, k: int, bias=None, *, score: str = "sigmoid", groups: i
   """
   logits = _logits(logits, "route_biased")
   t, e = logits.shape
-  if score not in SCORES:
-    raise ValueError(f"score={score!r}: expected one of {tuple(SCORES)}")
+  check_one_of(score, tuple(SCORES), "score")
   check_int(groups, "groups", least=1, most=e)
   if e % groups:
     raise ValueError(f"groups={groups} must divide the {e} experts")

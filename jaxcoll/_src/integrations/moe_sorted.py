@@ -146,39 +146,33 @@ def _received(p: Plan, q):
   return jnp.where(q[None] < p.recv_len[:, None], row, p.rows)
 
 
-def _loop(p: Plan, trip, init, axis_name):
-  """``trip(places, out)`` for each trip, from ``init`` (typed varying over the axis, as the
-  exchanged rows it receives are)."""
-  return lax.fori_loop(0, p.trips, lambda i, out: trip(i * p.chunk + jnp.arange(p.chunk), out),
-                       make_varying(init, normalize_axes(axis_name)))
+def _move(p: Plan, src, take, put, rows: int, axis_name, algorithm, wire_dtype):
+  """Each trip's places ``q``: the rows ``src[take(q)]`` (``[N, chunk]``, zero where out of
+  range) in one all_to_all, written at ``put(q)`` of ``[rows, d]`` (dropped where out of
+  range). The carry starts typed varying over the axis, as the exchanged rows are."""
+  def trip(i, out):
+    q = i * p.chunk + jnp.arange(p.chunk)
+    got = all_to_all(src.at[take(q)].get(mode="fill", fill_value=0), axis_name, 0, 0,
+                     tiled=True, algorithm=algorithm, wire_dtype=wire_dtype)
+    return out.at[put(q)].set(got.astype(out.dtype), mode="drop")
+  init = make_varying(jnp.zeros((rows, src.shape[-1]), src.dtype), normalize_axes(axis_name))
+  return lax.fori_loop(0, p.trips, trip, init)
 
 
 def _send(p: Plan, src, axis_name, algorithm, wire_dtype):
-  """``src [T, k', d]`` (k' = 1: every choice reads its token's row) to the rows ``[R, d]``."""
+  """``src [T, k', d]`` (k' = 1: every choice reads its token's row) to the rows ``[R, d]``.
+  A pair past a segment's end (T * k) reads row T * k', out of range: zero."""
   t, kk, d = src.shape
-  flat = src.reshape(t * kk, d)
-  options = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
-
-  def trip(q, out):
-    pair = _sent(p, q)
-    row = jnp.where(pair < t * p.k, pair // (p.k // kk), t * kk)
-    got = all_to_all(flat.at[row].get(mode="fill", fill_value=0), axis_name, 0, 0, tiled=True,
-                     algorithm=algorithm, **options)
-    return out.at[_received(p, q)].set(got.astype(out.dtype), mode="drop")
-  return _loop(p, trip, jnp.zeros((p.rows, d), src.dtype), axis_name)
+  return _move(p, src.reshape(t * kk, d), lambda q: _sent(p, q) // (p.k // kk),
+               lambda q: _received(p, q), p.rows, axis_name, algorithm, wire_dtype)
 
 
 def _return(p: Plan, y, axis_name, algorithm, wire_dtype):
   """The rows ``y [R, d]`` back to their pairs: ``[T, k, d]``, zero for pairs not kept."""
-  d = y.shape[-1]
   pairs = p.table.shape[0]
-  options = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
-
-  def trip(q, out):
-    got = all_to_all(y.at[_received(p, q)].get(mode="fill", fill_value=0), axis_name, 0, 0,
-                     tiled=True, algorithm=algorithm, **options)
-    return out.at[_sent(p, q)].set(got.astype(out.dtype), mode="drop")
-  return _loop(p, trip, jnp.zeros((pairs, d), y.dtype), axis_name).reshape(pairs // p.k, p.k, d)
+  back = _move(p, y, lambda q: _received(p, q), lambda q: _sent(p, q), pairs, axis_name,
+               algorithm, wire_dtype)
+  return back.reshape(pairs // p.k, p.k, y.shape[-1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
