@@ -98,19 +98,34 @@ def _ppermute_as_bits_jvp(axis_name, perm, primals, tangents):
 def _lookup(table: np.ndarray, *index):
   """``table[index]`` in a jit of its own, whose constant the table is: the caller's program
   holds no table, so ``jax.remat`` recomputes the lookup instead of saving the table as a
-  residual (``tests/test_gradients.py``: a remat'd collective saves its input alone)."""
-  return jax.jit(lambda *i: jnp.asarray(table)[i])(*index)
+  residual (``tests/test_gradients.py``: a remat'd collective saves its input alone). One
+  jit per table's contents, so a table read again (every step of a phase, every leaf of a
+  tree, every call) is traced once."""
+  table = np.ascontiguousarray(table)
+  return _lookup_jit(table.tobytes(), table.shape, table.dtype.str)(*index)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup_jit(data: bytes, shape: tuple[int, ...], dtype: str):
+  table = np.frombuffer(data, dtype).reshape(shape)
+
+  def lookup(*index):   # in range by construction: no negative-index or bounds arithmetic
+    start = [jnp.asarray(i, jnp.int32) for i in index] + [0] * (len(shape) - len(index))
+    sizes = (1,) * len(index) + shape[len(index):]
+    return lax.dynamic_slice(jnp.asarray(table), start, sizes,
+                             allow_negative_indices=False).reshape(shape[len(index):])
+  return jax.jit(lookup)
 
 
 def _read(rows, index, plan_: TransferPlan, contiguous: bool):
   if contiguous:
-    return lax.dynamic_slice_in_dim(rows, index, plan_.rows, axis=0)
+    return lax.dynamic_slice_in_dim(rows, index, plan_.rows, allow_negative_indices=False)
   return jnp.take(rows, index, axis=0, mode="clip")
 
 
 def _write(rows, index, value, contiguous: bool):
   if contiguous:
-    return lax.dynamic_update_slice_in_dim(rows, value, index, axis=0)
+    return lax.dynamic_update_slice(rows, value, (index, 0), allow_negative_indices=False)
   return rows.at[index].set(value, mode="promise_in_bounds")
 
 
