@@ -405,8 +405,8 @@ def dispatch(x, expert_ids, *, num_experts: int, capacity: int | None, axis_name
     ...   inputs, state = jaxcoll.moe.dispatch(x, ids, num_experts=4, capacity=2,
     ...                                        axis_name="expert")
     ...   return inputs
-    >>> f = jax.shard_map(send, mesh=mesh, in_specs=jax.P("expert"),
-    ...                   out_specs=jax.P("expert"), check_vma=False)
+    >>> f = jax.jit(jax.shard_map(send, mesh=mesh, in_specs=jax.P("expert"),
+    ...                           out_specs=jax.P("expert"), check_vma=False))
     >>> ids = (jnp.arange(16) % 4)[:, None]           # token t to expert t % 4
     >>> inputs = f(jnp.arange(16.0)[:, None] * jnp.ones((1, 2)), ids)
     >>> inputs.shape                                   # [E, N * C, d] over the 4 devices
@@ -520,8 +520,8 @@ def dispatch_chosen(x, token_ids, *, axis_name, algorithm="auto", wire_dtype=Non
     ...   tokens, gates = jaxcoll.moe.route_experts(logits, 2)
     ...   inputs, state = jaxcoll.moe.dispatch_chosen(x, tokens, axis_name="expert")
     ...   return jaxcoll.moe.combine(2 * inputs, state, gates)
-    >>> f = jax.shard_map(layer, mesh=mesh, in_specs=jax.P("expert"),
-    ...                   out_specs=jax.P("expert"), check_vma=False)
+    >>> f = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=jax.P("expert"),
+    ...                           out_specs=jax.P("expert"), check_vma=False))
     >>> logits = 4 * jax.nn.one_hot(jnp.arange(32) % 4, 4)   # token t prefers expert t % 4
     >>> out = f(jnp.ones((32, 1)), logits)
     >>> top = jax.nn.softmax(logits).max(axis=-1)   # each token's probability for its expert
@@ -589,8 +589,8 @@ def total_dropped(state: RoutingState):
     ...   _, state = jaxcoll.moe.dispatch(x, ids, num_experts=4, capacity=1,
     ...                                   axis_name="expert")
     ...   return jaxcoll.moe.total_dropped(state)[None]
-    >>> f = jax.shard_map(dropped, mesh=mesh, in_specs=jax.P("expert"), out_specs=jax.P(),
-    ...                   check_vma=False)
+    >>> f = jax.jit(jax.shard_map(dropped, mesh=mesh, in_specs=jax.P("expert"), out_specs=jax.P(),
+    ...                           check_vma=False))
     >>> int(f(jnp.ones((16, 2)), jnp.zeros((16, 1), jnp.int32))[0])   # 3 of 4 per device
     12
   """
@@ -620,8 +620,8 @@ def expert_load(state: RoutingState):
     ...   _, state = jaxcoll.moe.dispatch(x, ids, num_experts=4, capacity=1,
     ...                                   axis_name="expert")
     ...   return jaxcoll.moe.expert_load(state)
-    >>> f = jax.shard_map(load, mesh=mesh, in_specs=jax.P("expert"), out_specs=jax.P(),
-    ...                   check_vma=False)
+    >>> f = jax.jit(jax.shard_map(load, mesh=mesh, in_specs=jax.P("expert"), out_specs=jax.P(),
+    ...                           check_vma=False))
     >>> f(jnp.ones((16, 2)), jnp.zeros((16, 1), jnp.int32)).tolist()   # all to expert 0
     [16, 0, 0, 0]
   """
@@ -683,8 +683,8 @@ def combine(expert_outputs, state: RoutingState, gates, *, wire_dtype=None):
     ...                                        axis_name="expert")
     ...   out = jaxcoll.moe.combine(2 * inputs, state, gates)
     ...   return out, jaxcoll.moe.total_dropped(state)[None]
-    >>> f = jax.shard_map(layer, mesh=mesh, in_specs=jax.P("expert"),
-    ...                   out_specs=(jax.P("expert"), jax.P()), check_vma=False)
+    >>> f = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=jax.P("expert"),
+    ...                           out_specs=(jax.P("expert"), jax.P()), check_vma=False))
     >>> x = jnp.arange(32.0).reshape(16, 2)
     >>> logits = jax.nn.one_hot(jnp.arange(16) % 4, 4)
     >>> out, dropped = f(x, logits)

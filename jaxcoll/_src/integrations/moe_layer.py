@@ -162,8 +162,8 @@ def layer(params: dict, x, *, axis_name, k: int | None = None, router: str = "so
     >>> def step(params, x):
     ...   y, aux = jaxcoll.moe.layer(params, x, axis_name="expert", capacity_factor=None)
     ...   return y, aux["dropped"][None]
-    >>> f = jax.shard_map(step, mesh=mesh, in_specs=(specs, jax.P("expert")),
-    ...                   out_specs=(jax.P("expert"), jax.P()))
+    >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, jax.P("expert")),
+    ...                           out_specs=(jax.P("expert"), jax.P())))
     >>> y, dropped = f(params, jnp.ones((64, 16)))
     >>> y.shape, int(dropped[0])
     ((64, 16), 0)
