@@ -115,7 +115,6 @@ def test_buffer_factor_drops_exactly_the_pairs_past_the_bound(case, buffer_facto
     assert (~kept).sum() > 0   # the case drops something
 
 
-@pytest.mark.quick
 @settings(max_examples=8, deadline=None)
 @given(data=st.data())
 def test_any_routing_chunk_and_bound(data):
@@ -200,7 +199,7 @@ def grouped_reference(x, w, sizes):
 
 
 @pytest.mark.quick
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(sizes=st.lists(st.integers(0, 9), min_size=1, max_size=6), spare=st.integers(0, 5),
        tile=st.integers(1, 16), implementation=st.sampled_from(["tiled", "ragged_dot"]))
 def test_grouped_matmul_equals_the_per_row_product(sizes, spare, tile, implementation):
