@@ -105,7 +105,7 @@ def _lookup(table: np.ndarray, *index):
   return _lookup_jit(table.tobytes(), table.shape, table.dtype.str)(*index)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=512)   # tables of steps x ranks (x rows) ints, bounded in number
 def _lookup_jit(data: bytes, shape: tuple[int, ...], dtype: str):
   table = np.frombuffer(data, dtype).reshape(shape)
 
