@@ -91,8 +91,8 @@ def main(argv=None) -> int:
   roots = {"this": HERE, **({"compare": os.path.abspath(args.compare)} if args.compare else {})}
   print(f"{args.leaves} arrays x {args.elems} values ({', '.join(DTYPES)} in turn), "
         f"N = {args.devices}, median of {args.repeats} fresh processes; seconds\n")
-  head = "| algorithm | tree | trace | lower | compile | total |"
-  print(head + (" total vs --compare |" if args.compare else ""))
+  print("| algorithm | tree | trace | lower | compile | total |"
+        + (" total vs --compare |" if args.compare else ""))
   print("|---|---|---:|---:|---:|---:|" + ("---:|" if args.compare else ""))
   for algorithm in [a for a in args.algorithms.split(",") if a]:
     runs = {name: [] for name in roots}
@@ -105,8 +105,9 @@ def main(argv=None) -> int:
                                                                         "compile")}
       totals[name] = statistics.median(r["trace"] + r["lower"] + r["compile"]
                                        for r in runs[name])
-      ratio = (f" {totals['this'] / totals['compare']:.2f}x |"
-               if args.compare and name == "this" else (" |" if args.compare else ""))
+      ratio = ""
+      if args.compare:   # the ratio on this tree's row, an empty cell on the baseline's
+        ratio = f" {totals['this'] / totals['compare']:.2f}x |" if name == "this" else " |"
       print(f"| {algorithm} | {name} | {med['trace']:.2f} | {med['lower']:.2f} | "
             f"{med['compile']:.2f} | {totals[name]:.2f} |{ratio}", flush=True)
   return 0

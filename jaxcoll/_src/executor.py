@@ -101,8 +101,7 @@ def _lookup(table: np.ndarray, *index):
   residual (``tests/test_gradients.py``: a remat'd collective saves its input alone). One
   jit per table's contents, so a table read again (every step of a phase, every leaf of a
   tree, every call) is traced once."""
-  table = np.ascontiguousarray(table)
-  return _lookup_jit(table.tobytes(), table.shape, table.dtype.str)(*index)
+  return _lookup_jit(table.tobytes(), table.shape, table.dtype.str)(*index)   # C-order bytes
 
 
 @functools.lru_cache(maxsize=512)   # tables of steps x ranks (x rows) ints, bounded in number
