@@ -85,6 +85,15 @@ def main(argv=None) -> int:
   if args.child:
     print(json.dumps(cell(args.child, args.devices, args.leaves, args.elems)))
     return 0
+  # this tree's jaxcoll, for the checks alone: every cell runs in a process of its own
+  import jaxcoll
+
+  algorithms = [a for a in args.algorithms.split(",") if a]
+  for algorithm in algorithms:
+    jaxcoll.extend.check_one_of(algorithm, tuple(jaxcoll.algorithms("all_reduce")),
+                                "--algorithms")
+  for name in ("devices", "leaves", "elems", "repeats"):
+    jaxcoll.extend.check_int(getattr(args, name), f"--{name}", least=1)
   if args.compare and not os.path.isdir(os.path.join(args.compare, "jaxcoll")):
     parser.error(f"--compare {args.compare}: expected a jaxcoll checkout (a directory "
                  "holding jaxcoll/)")
@@ -94,7 +103,7 @@ def main(argv=None) -> int:
   print("| algorithm | tree | trace | lower | compile | total |"
         + (" total vs --compare |" if args.compare else ""))
   print("|---|---|---:|---:|---:|---:|" + ("---:|" if args.compare else ""))
-  for algorithm in [a for a in args.algorithms.split(",") if a]:
+  for algorithm in algorithms:
     runs = {name: [] for name in roots}
     for _ in range(args.repeats):   # the trees alternate within a repeat: side by side
       for name, root in roots.items():
