@@ -42,6 +42,19 @@ def per_device(fn, n: int, *, replicated_out: bool = False, check_vma: bool = Tr
   return call
 
 
+def assert_close_after_sums(got, want, terms: int, scale=None) -> None:
+  """``got`` equals ``want`` (pytrees of arrays) within what summing ``terms`` values in
+  another order can change: per leaf, 4 * sqrt(terms) ulps of the largest term, taken as
+  ``scale`` where given, else the leaf's largest magnitude (a rounding error of a random
+  walk, so the same on any CPU: no tolerance read off one machine's result)."""
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    g, w = np.asarray(g), np.asarray(w)
+    assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
+    eps = float(np.finfo(w.dtype).eps) if np.issubdtype(w.dtype, np.floating) else 0.0
+    big = float(np.max(np.abs(w), initial=0.0)) if scale is None else float(scale)
+    np.testing.assert_allclose(g, w, rtol=0, atol=4 * math.sqrt(terms) * eps * big)
+
+
 def iter_eqns(jaxpr, mult: int = 1):
   """Every equation of a (closed) jaxpr and its sub-jaxprs, with its scan trip-count multiplier."""
   jx = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr

@@ -18,6 +18,7 @@ A dimension may be split by several axes (major first, as in a ``PartitionSpec``
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -80,14 +81,25 @@ class Placement:
     return f"[{dims}]" + (f" partial({','.join(sorted(self.partial))})" if self.partial else "")
 
 
+_keys = itertools.count()
+
+
 @dataclasses.dataclass
 class Local:
   """One device's piece of a value and its placement; ``var``: the jaxpr variable it is
-  the value of (None for literals and temporaries)."""
+  the value of (None for literals and temporaries). ``key`` names the logical value (the
+  same in every scope it is bound in); ``origin``: how a partial sum was made from other
+  partial sums (:class:`partials.Origin`), None for a source or a value that is no sum."""
 
   value: object
   place: Placement
   var: object = None
+  origin: object = None
+  key: int = dataclasses.field(default_factory=lambda: next(_keys))
+
+  def bound_to(self, var) -> Local:
+    """The same value (key, origin) bound to ``var``."""
+    return Local(self.value, self.place, var, self.origin, self.key)
 
 
 def replicated(ndim: int) -> Placement:

@@ -35,9 +35,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src import compat
+from jaxcoll._src.integrations.partials import choose, origin_of, shares_source
 from jaxcoll._src.integrations.placement import Local, Placement, from_spec, replicated
 from jaxcoll._src.integrations.redistribute import Comm, redistribute, reduce_many
 from jaxcoll._src.integrations.spmd_rules import (
+  CALLS,
   ELEMENTWISE,
   RULES,
   Refused,
@@ -50,10 +52,13 @@ from jaxcoll.extend import ReportLine, compresses, record_at, record_note, recor
 
 @dataclasses.dataclass
 class _Scope:
-  """One jaxpr being evaluated: its values, and the partial sums waiting to be reduced."""
+  """One jaxpr being evaluated: its values, the partial sums waiting to be reduced, and the
+  values reduced in its region (``reduced``, by key: shared by the scopes of calls run
+  inline, apart for each loop or branch body, whose values live in a trace of their own)."""
 
   jaxpr: object
   env: dict
+  reduced: dict
   pending: dict = dataclasses.field(default_factory=dict)
   consumers: dict | None = None
   producers: dict | None = None
@@ -83,30 +88,34 @@ class Evaluator:
   # ---- evaluation ----
 
   def run_jaxpr(self, jaxpr, consts: Sequence[Local], args: Sequence[Local],
-                targets=None) -> list:
+                targets=None, inline: bool = False) -> list:
     """``jaxpr`` (open) on per-device ``args``. Returns the outputs' pieces (partial sums
     among them still partial), or, given ``targets`` (placements, or a function of the
     outputs' pieces giving them), their values moved there (the partial sums among them
-    reduced together)."""
-    scope = _Scope(jaxpr, {})
+    reduced together). ``inline``: a call in the current trace (its values reduced are the
+    caller's); else a body of its own (a loop's or a branch's)."""
+    region = self.scopes[-1].reduced if inline and self.scopes else {}
+    scope = _Scope(jaxpr, {}, region)
     self.scopes.append(scope)
     try:
       for var, local in (*zip(jaxpr.constvars, consts), *zip(jaxpr.invars, args)):
         self._set(scope, var, local)
       for scope.position, eqn in enumerate(jaxpr.eqns):
         ins = [self.read(v) for v in eqn.invars]
-        self.where.append(compat.source_line(eqn) or self.where[-1])
-        try:
-          with compat.equation_config(eqn), record_at(eqn.primitive.name, self.where[-1]):
-            outs = RULES.get(eqn.primitive.name, fallback)(self, eqn, ins)
-            outs = laid_out_as_asked(self, eqn, outs)
-        finally:
-          self.where.pop()
+        where = compat.source_line(eqn) or self.where[-1]
+        outs = self.apply(eqn, ins, where)
+        if eqn.primitive.name not in CALLS:
+          outs = [x if any(x.key == i.key for i in ins) else
+                  dataclasses.replace(x, origin=origin_of(eqn, ins, x, k, where))
+                  for k, x in enumerate(outs)]
         for var, out in zip(eqn.outvars, outs):
           if not isinstance(var, jax.extend.core.DropVar):
             self._set(scope, var, out)
       scope.position = len(jaxpr.eqns)
       outs = [self.read(v) for v in jaxpr.outvars]
+      if not inline and shares_source([o for o in outs if o.place.partial], scope.reduced):
+        self.flush(scope)   # a body hands out sums that would cross the wire apart
+        outs = [self.read(v) for v in jaxpr.outvars]
       if targets is None:
         return outs
       if callable(targets):
@@ -115,11 +124,22 @@ class Evaluator:
     finally:
       self.scopes.pop()
 
+  def apply(self, eqn, ins: Sequence[Local], where: str) -> list[Local]:
+    """``eqn``'s rule on the pieces ``ins``, its result laid out as the equation asks; what
+    it traces is recorded as the equation's, at ``where``."""
+    self.where.append(where)
+    try:
+      with compat.equation_config(eqn), record_at(eqn.primitive.name, where):
+        outs = RULES.get(eqn.primitive.name, fallback)(self, eqn, list(ins))
+        return laid_out_as_asked(self, eqn, outs)
+    finally:
+      self.where.pop()
+
   def _set(self, scope: _Scope, var, local: Local) -> None:
-    local = Local(local.value, local.place, var)
+    local = local.bound_to(var)
     scope.env[var] = local
     scope.pending.pop(var, None)
-    if local.place.partial:
+    if local.place.partial and local.key not in scope.reduced:
       scope.pending[var] = local
 
   def read(self, var) -> Local:
@@ -128,39 +148,81 @@ class Evaluator:
     return self.scopes[-1].env[var]
 
   def to(self, local: Local, place: Placement):
-    """``local``'s value moved to ``place``. A partial sum waiting in this scope is reduced
-    with every other one still to be read (:meth:`flush`), and its reduced value kept for
-    later reads (a partial sum read twice is reduced once)."""
-    scope = self.scopes[-1] if self.scopes else None
-    if scope is not None and local.var in scope.env:   # reduced since it was read
-      local = scope.env[local.var]
+    """``local``'s value moved to ``place``. A partial sum that must lose partial axes is
+    reduced with every other one still to be read here (:meth:`flush`), each source's terms
+    once (:mod:`partials`); a value reduced before is read back, never reduced again."""
+    scope = self.scopes[-1]
+    if local.place.partial and local.key in scope.reduced:
+      local = scope.reduced[local.key]
     if local.place == place:
       return local.value
-    if scope is None:
-      return redistribute(local.value, local.place, place, self.comm)
-    if local.place.partial - place.partial and local.var in scope.pending:
-      self.flush(scope)
-      local = scope.env[local.var]
+    if local.place.partial - place.partial:
+      waiting = scope.pending.get(local.var)
+      if waiting is not None and waiting.key == local.key:
+        self.flush(scope)
+      else:
+        self._reduce([local], {local.key: place})
+      local = self.derive(local)
       if local.place == place:
         return local.value
-    value = redistribute(local.value, local.place, place, self.comm)
-    if local.var is not None and local.var in scope.env and local.place.partial - place.partial:
-      self._set(scope, local.var, Local(value, place))
-    return value
+    return redistribute(local.value, local.place, place, self.comm)
 
   def flush(self, scope: _Scope) -> None:
-    """Every partial sum waiting in ``scope`` that is still to be read reduced to where it is
-    headed, together."""
+    """Every partial sum waiting in ``scope`` that is still to be read made whole (or split
+    where it is headed: :meth:`headed_for`), together: the values :func:`partials.choose`
+    picks reduced in buckets, the others derived from them."""
     live = self._last_use(scope)
     waiting = [(v, local) for v, local in scope.pending.items()
                if live.get(v, -1) >= scope.position]
     if not waiting:
       return
-    targets = [self.headed_for(scope, var, local.place) for var, local in waiting]
-    values = reduce_many([(local.value, local.place, t) for (_, local), t in
-                          zip(waiting, targets)], self.comm)
-    for (var, _), value, target in zip(waiting, values, targets):
-      self._set(scope, var, Local(value, target))
+    self._reduce([local for _, local in waiting])
+    for var, local in waiting:   # each where it is headed, as if it had been reduced itself
+      derived = self.derive(local)
+      target = self.headed_for(scope, var, local.place)
+      if derived.place != target:
+        derived = Local(redistribute(derived.value, derived.place, target, self.comm), target)
+      self._set(scope, var, derived)
+
+  def _reduce(self, members: Sequence[Local], wanted: dict | None = None) -> None:
+    """The values :func:`partials.choose` picks for ``members`` reduced together, each kept
+    in the region's ``reduced`` under its key; one asked for in ``wanted`` (by key) lands
+    split as asked there (a reduce-scatter), the others where they are headed."""
+    reduced = self.scopes[-1].reduced
+    sources = choose(members, reduced)
+    if not sources:
+      return
+    wanted = wanted or {}
+    targets = [Placement(wanted[s.key].dims) if s.key in wanted and not wanted[s.key].partial
+               else self._headed(s) for s in sources]
+    values = reduce_many([(s.value, s.place, t) for s, t in zip(sources, targets)], self.comm)
+    for s, value, target in zip(sources, values, targets):
+      reduced[s.key] = Local(value, target, key=s.key)
+
+  def derive(self, local: Local) -> Local:
+    """``local`` (a partial sum) as a whole value: read back if reduced, else made by its
+    origin's equation from its parents, derived the same way (no communication for the
+    sum: the parents' terms crossed the wire once, in :meth:`_reduce`)."""
+    reduced = self.scopes[-1].reduced
+    if local.key in reduced:
+      return reduced[local.key]
+    origin = local.origin
+    ins = [self.derive(x) if x.place.partial else x for x in origin.ins]
+    out = self.apply(origin.eqn, ins, origin.where)[origin.index]
+    if out.place.partial:   # a rule that split a whole input's contraction anew
+      out = Local(redistribute(out.value, out.place, out.place.whole(), self.comm),
+                  out.place.whole())
+    reduced[local.key] = Local(out.value, out.place, key=local.key)
+    return reduced[local.key]
+
+  def _headed(self, source: Local) -> Placement:
+    """Where the reduced ``source`` is headed (:meth:`headed_for`, read in the scope that
+    binds it; whole where none does)."""
+    for scope in reversed(self.scopes):
+      bound = scope.env.get(source.var) if source.var is not None else None
+      if bound is not None and bound.key == source.key:
+        return self.headed_for(scope, source.var, source.place)
+    return source.place.whole()
 
   # ---- where a partial sum is headed ----
 
@@ -334,11 +396,14 @@ def run(closed, leaves, mesh, manual: tuple[str, ...], places: Sequence[Placemen
   transpose, a jaxcoll all_reduce."""
   sizes = {a: int(mesh.shape[a]) for a in manual}
   learned: dict = {}
+  n = len(leaves)   # the program's constants enter as inputs too: no closure over them
+  leaves = [*leaves, *closed.consts]
+  places = [*places, *input_places(closed.consts, manual)]
 
   def body(stacked, *locals_):
     ev = Evaluator(sizes, manual, options, strict, rewrite_island)
-    consts = [Local(c, replicated(jnp.ndim(c))) for c in closed.consts]
-    args = [Local(v[0] if s else v, p) for v, s, p in zip(locals_, stacked, places)]
+    pieces = [Local(v[0] if s else v, p) for v, s, p in zip(locals_, stacked, places)]
+    args, consts = pieces[:n], pieces[n:]
 
     def targets(outs):   # where the outputs fall, whole (out_places where given)
       given = out_places or [None] * len(outs)

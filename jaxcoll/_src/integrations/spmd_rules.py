@@ -642,18 +642,30 @@ def _identity(ev, eqn, ins):
 def _inline(key: str):
   def rule(ev, eqn, ins):
     jaxpr, consts = compat.open_jaxpr(eqn.params[key])
-    return ev.run_jaxpr(jaxpr, [Local(c, replicated(jnp.ndim(c))) for c in consts], ins)
+    return ev.run_jaxpr(jaxpr, [Local(c, replicated(jnp.ndim(c))) for c in consts], ins,
+                        inline=True)
   return rule
 
 
-def join(a: Placement, b: Placement) -> Placement:
-  """What two placements of one value agree on: the splits they share, every partial
-  axis either has (an axis partial in one and splitting in the other is made whole)."""
-  if a == b:
-    return a
+def join(a: Placement, b: Placement, partial: frozenset) -> Placement:
+  """What two placements of one value agree on: the splits they share, partial over
+  ``partial`` (less any axis that splits a shared dimension)."""
   dims = tuple(x if x == y else () for x, y in zip(a.dims, b.dims))
   split = {ax for axes in dims for ax in axes}
-  return Placement(dims, (a.partial | b.partial) - split)
+  return Placement(dims, partial - split)
+
+
+def join_branches(a: Placement, b: Placement) -> Placement:
+  """Two branches' placements of one output: partial only over the axes both leave partial
+  (a branch that made it whole does not hand back a sum to be reduced again)."""
+  return a if a == b else join(a, b, a.partial & b.partial)
+
+
+def join_carry(init: Placement, out: Placement) -> Placement:
+  """A loop carry: partial over the axes the body leaves it partial (an accumulator of
+  sums is reduced once, after the loop); a partial initial value the body makes whole is
+  reduced before the loop, not in every iteration."""
+  return init if init == out else join(init, out, out.partial)
 
 
 def abstract_places(ev, jaxpr, consts, places) -> list[Placement]:
@@ -679,7 +691,7 @@ def _fixed_carry(ev, places_of, carry: list[Placement], rounds: int = 6):
   they never settle)."""
   for _ in range(rounds):
     out = places_of(carry)
-    joined = [join(c, o) for c, o in zip(carry, out)]
+    joined = [join_carry(c, o) for c, o in zip(carry, out)]
     if joined == carry:
       return carry
     carry = joined
@@ -692,12 +704,21 @@ def _run_body(ev, jaxpr, consts, args: list[Local], targets: list[Placement]) ->
                       targets)
 
 
+def _summed(ev, ins: list[Local]) -> list[Local]:
+  """``ins`` with their partial sums made whole (together, in buckets): what a loop or
+  branch body reads besides its carries, so that no body reduces a value of the caller's
+  (once per iteration, or again beside the caller's own reduction)."""
+  return [Local(ev.to(x, x.place.whole()), x.place.whole()) if x.place.partial else x
+          for x in ins]
+
+
 def _scan(ev, eqn, ins):
   p = eqn.params
   nc, ncarry = compat.scan_counts(p)
   body, body_consts = compat.open_jaxpr(p["jaxpr"])
   consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
-  xs_places = [Placement(((),) + x.place.dims[1:], x.place.partial) for x in xs]
+  consts, xs = _summed(ev, consts), _summed(ev, xs)
+  xs_places = [Placement(((),) + x.place.dims[1:]) for x in xs]
   xs_values = [ev.to(x, t) for x, t in zip(xs, xs_places)]
   elem = [Placement(t.dims[1:], t.partial) for t in xs_places]
   cplaces = [c.place for c in consts]
@@ -726,6 +747,7 @@ def _while(ev, eqn, ins):
   cond, cond_consts = compat.open_jaxpr(p["cond_jaxpr"])
   body, body_consts = compat.open_jaxpr(p["body_jaxpr"])
   cc, bc, init = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
+  bc = _summed(ev, bc)
   bplaces = [c.place for c in bc]
   carry = _fixed_carry(ev, lambda cs: abstract_places(ev, body, body_consts, bplaces + cs),
                        [x.place for x in init])
@@ -748,12 +770,13 @@ def _while(ev, eqn, ins):
 
 def _cond(ev, eqn, ins):
   index, *ops = ins
+  ops = _summed(ev, ops)
   branches = [compat.open_jaxpr(b) for b in eqn.params["branches"]]
   places = [x.place for x in ops]
   outs = [abstract_places(ev, jaxpr, consts, places) for jaxpr, consts in branches]
   joined = outs[0]
   for other in outs[1:]:
-    joined = [join(a, b) for a, b in zip(joined, other)]
+    joined = [join_branches(a, b) for a, b in zip(joined, other)]
   op_values = [x.value for x in ops]
 
   def branch(jaxpr, consts):
@@ -779,6 +802,13 @@ def _shard_map(ev, eqn, ins):
   outs = ev.rewrite_island(p["jaxpr"], values)
   return [Local(o, from_spec(spec, _ndim(o), island)) for o, spec in zip(outs, p["out_specs"])]
 
+
+# Rules that evaluate a sub-jaxpr: their outputs are the sub-evaluation's values (a call run
+# inline) or new values of a trace of their own (loops, branches, shard_map islands), never
+# derived from their inputs by re-running the equation (:mod:`partials`).
+CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat2",
+                   "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "scan",
+                   "while", "cond", "shard_map"})
 
 RULES = {name: _elementwise for name in ELEMENTWISE}
 RULES.update({
