@@ -2,10 +2,11 @@
 
 What ``jaxcoll.use``, ``jaxcoll.fsdp``, ``jaxcoll.moe``, ``jaxcoll.optax`` and the gradient
 sync use besides the collectives, and what a user writing an integration of their own
-needs: axis names and sizes inside shard_map (:func:`normalize_axes`, :func:`axis_size`,
-:func:`axis_sizes`; :func:`as_axes` reads a jaxpr parameter's or a PartitionSpec entry's
-axes), varying/invariant typing (:func:`make_varying`, :func:`check_vma_enabled`; which
-values of a jaxpr differ between devices: :func:`varying`), argument checks
+needs: axis names, sizes and indices inside shard_map (:func:`normalize_axes`,
+:func:`axis_size`, :func:`axis_sizes`, :func:`axis_index`; :func:`as_axes` reads a jaxpr
+parameter's or a PartitionSpec entry's axes), varying/invariant typing
+(:func:`make_varying`, :func:`check_vma_enabled`; which values of a jaxpr differ between
+devices: :func:`varying`), argument checks
 (:func:`check_op`, :func:`check_choice`, :func:`check_algorithm`, :func:`check_axis_names`,
 :func:`check_accumulate`, :func:`check_int`, :func:`check_number`, :func:`check_flag`,
 :func:`check_floating`, :func:`check_rounding`, :func:`check_one_of`: each error names the
@@ -24,6 +25,7 @@ names of the lax collective and of auto among the schedules (:data:`NATIVE`,
 """
 
 from jaxcoll._src.algorithms import NATIVE, SCHEDULE
+from jaxcoll._src.axes import index as axis_index
 from jaxcoll._src.axes import normalize as normalize_axes
 from jaxcoll._src.axes import size as axis_size
 from jaxcoll._src.axes import sizes as axis_sizes
@@ -61,6 +63,7 @@ __all__ = (
     "algorithm_of",
     "as_axes",
     "axes_in_mesh",
+    "axis_index",
     "axis_size",
     "axis_sizes",
     "check_accumulate",

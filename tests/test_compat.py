@@ -84,3 +84,25 @@ def test_sub_jaxprs_and_their_consts_are_read_on_both_versions():
   for sub in subs:
     jaxpr, consts = compat.open_jaxpr(sub)
     assert len(jaxpr.invars) == 1 and consts == []
+
+
+def test_shard_map_reads_out_specs_after_tracing_its_body():
+  """``compat.shard_map_specs_after``: the specs the body returns as it is traced are the
+  out_specs (a split output comes back split, a replicated one whole), traced once."""
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  traces = []
+
+  def body(a):
+    traces.append(1)
+    return [a * 2, jax.lax.psum(a, "x")], [P("x"), P()]
+
+  a = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+  split, total = jax.jit(compat.shard_map_specs_after(body, mesh=mesh, in_specs=(P("x"),)))(a)
+  np.testing.assert_array_equal(split, np.arange(8.0) * 2)
+  np.testing.assert_array_equal(total, np.arange(8.0).reshape(4, 2).sum(0))
+  assert split.sharding.spec == P("x") and total.sharding.is_fully_replicated
+  assert len(traces) == 1

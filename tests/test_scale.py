@@ -165,7 +165,7 @@ def test_by_key_sends_the_chunks_of_each_messages_key_in_order(chunk_keys, keys)
 def cold_candidates(primitive, shape, prof):
   """Auto's whole decision, nothing cached: the candidates weighed, and how many Python
   functions (and builtins) it called, counted with ``sys.setprofile``."""
-  cost.clear_caches()
+  dispatch.clear_caches()
   names = tuple("ab"[:len(shape)])
   calls = 0
 

@@ -27,6 +27,8 @@ def normalize(axis_name) -> tuple[str, ...]:
   mesh = jax.sharding.get_abstract_mesh()
   bound = tuple(getattr(mesh, "manual_axes", ()) or ())
   for a in axes:
+    if a in bound:
+      continue
     try:
       lax.axis_size(a)
     except (NameError, KeyError, ValueError) as e:
@@ -40,11 +42,28 @@ def normalize(axis_name) -> tuple[str, ...]:
 
 
 def sizes(axes: tuple[str, ...]) -> tuple[int, ...]:
-  return tuple(lax.axis_size(a) for a in axes)
+  """The sizes of ``axes``: a manual mesh axis's from the mesh traced now (no equation),
+  any other (vmap's, pmap's) from ``lax.axis_size``."""
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set(getattr(mesh, "manual_axes", ()) or ())
+  shape = dict(zip(mesh.axis_names, mesh.axis_sizes)) if manual else {}
+  return tuple(shape[a] if a in manual else lax.axis_size(a) for a in axes)
 
 
 def size(axes: tuple[str, ...]) -> int:
   return math.prod(sizes(axes))
+
+
+def index(axes) -> jax.Array:
+  """``lax.axis_index(axes)`` (the first axis major), built from one ``axis_index`` per axis
+  and integer arithmetic: a tuple's ``lax.axis_index`` traces many more equations, and
+  integrations take it for every slice and every collective."""
+  axes = checks.as_axes(axes)
+  out = None
+  for a, n in zip(axes, sizes(axes)):
+    i = lax.axis_index(a)
+    out = i if out is None else out * n + i
+  return out
 
 
 Perm = tuple[tuple[int, int], ...]

@@ -138,7 +138,7 @@ def _run(primitive, algorithm, n, flat, axes, *, op="sum", root=0, accumulate=No
   work = flat if accumulate is None else flat.astype(accumulate)
   multiple = 1 if wire is None else wire.row_multiple(layout.row_length(sched, work.shape[0]))
   rows = make_varying(layout.to_rows(jnp, work, sched, multiple=multiple), axes)
-  rows = layout.place_own(jnp, rows, work, sched, lax.axis_index(axes))
+  rows = layout.place_own(jnp, rows, work, sched, axes_lib.index(axes))
   fused = config_lib.use_fused_kernel(rows.shape[1] * rows.dtype.itemsize, rows.dtype)
   rows = execute(sched, rows, axes, op=op, wire=wire, fused=fused,
                  copy_dtype=None if accumulate is None else flat.dtype, key=key)
@@ -207,7 +207,7 @@ def _collective(primitive: str, x, axis_name, algorithm, *, native, finish, op=N
     algo, chosen = _resolve(primitive, algorithm, axes, x, facts.message_bytes(x.nbytes, n),
                             accumulate=acc, wire=fmt, stochastic=key is not None)
     final = key if key is None or facts.replicated else jax.random.fold_in(
-        key, lax.axis_index(axes))
+        key, axes_lib.index(axes))
     if algo == NATIVE:   # accumulate_dtype / stochastic: lax's collective on wider sums
       wide = acc if acc is not None or key is None else np.dtype(np.float32)
       return native(x) if wide is None else rounding_lib.round_to(
@@ -392,12 +392,12 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
     if op in ("sum", "mean"):
       return _mean(lax.psum_scatter(x, axes, scatter_dimension=d, tiled=tiled), op, n, None)
     full = all_reduce(x, axis_name, op=op, algorithm=NATIVE)
-    y = lax.dynamic_slice_in_dim(full, lax.axis_index(axes) * (extent // n), extent // n, d)
+    y = lax.dynamic_slice_in_dim(full, axes_lib.index(axes) * (extent // n), extent // n, d)
     return y if tiled else jnp.squeeze(y, d)
 
   def finish(rows, sched, x, moved, key):
     b, d = sched.blocks_per_rank, dim(x)
-    mine = lax.dynamic_slice_in_dim(rows, lax.axis_index(axes) * b, b, axis=0)
+    mine = lax.dynamic_slice_in_dim(rows, axes_lib.index(axes) * b, b, axis=0)
     y = layout.from_rows(jnp, mine, sched, moved.size).astype(x.dtype)
     y = jnp.moveaxis(y.reshape((x.shape[d] // n,) + moved.shape[1:]), 0, d)
     return _mean(y if tiled else jnp.squeeze(y, d), op, n, key)
@@ -510,7 +510,7 @@ def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "auto"):
 
   def native(x):
     wide = x.astype(jnp.int32) if x.dtype == bool else x
-    mine = jnp.where(lax.axis_index(axes) == root, wide, jnp.zeros_like(wide))
+    mine = jnp.where(axes_lib.index(axes) == root, wide, jnp.zeros_like(wide))
     return lax.psum(mine, axes).astype(x.dtype)
 
   def finish(rows, sched, x, _, key):
@@ -557,7 +557,7 @@ def reduce(x, axis_name, *, root: int = 0, op: str = "sum", algorithm: str = "au
   axes = axes_lib.normalize(axis_name)
   n = axes_lib.size(axes)
   _check_root(root, n)
-  at_root = lambda y: jnp.where(lax.axis_index(axes) == root, y, jnp.zeros_like(y))  # noqa: E731
+  at_root = lambda y: jnp.where(axes_lib.index(axes) == root, y, jnp.zeros_like(y))  # noqa: E731
 
   def native(x):
     return at_root(make_varying(all_reduce(x, axis_name, op=op, algorithm=NATIVE), axes))

@@ -45,6 +45,13 @@ that moves one fails there first, loudly, instead of somewhere deep in a collect
   combines the two all-reduces into one (``sync_gradients``' lax buckets then reduce
   together, as before; ``tests/test_training.py`` holds each version to its count).
 
+- ``shard_map_specs_after``: a ``jax.shard_map`` whose ``out_specs`` are known only once
+  its body is traced. ``jax.shard_map`` reads ``out_specs`` after it traces the body (to
+  broadcast them over the outputs, ``f_wrapped`` in ``jax/_src/shard_map.py``, both
+  versions), so a list the body fills as it runs serves; ``tests/test_compat.py`` pins it.
+  ``jaxcoll.use`` thus traces a global program once, not once to learn where its outputs
+  fall and again to run it.
+
 Where the versions behave differently rather than name things differently, the module that
 depends on it says so and adapts in a form both accept: ``axes.ppermute_args`` (jax 0.12
 refuses a tuple of axes out of mesh order in ``lax.ppermute``; 0.10.2 reads its
@@ -53,6 +60,7 @@ permutation in mesh order whatever the tuple's order).
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import jax
@@ -193,10 +201,50 @@ def custom_jvp_rule(params) -> tuple[object, list, list[bool]]:
   return jaxpr, list(consts), list(out_zeros)
 
 
+LIBRARIES = ("optax", "flax", "chex", "jaxcoll")   # frames a report looks past
+
+
 def source_line(eqn) -> str:
-  """Where the user's code made ``eqn`` (file:line (function)), for reports and errors."""
+  """Where the user's code made ``eqn``, for reports and errors: the innermost frame outside
+  jax (``file:line:col (function)``); where that frame is a library's (optax, flax, chex,
+  jaxcoll: an optimizer's moment update, a flax layer), the first frame outside them too,
+  with the library's beside it: ``"train.py:12:9 (step) via optax/tree_utils/
+  _tree_math.py:398:10 (tree_update_moment.<locals>.<lambda>)"``. jax's own
+  ``source_info_util.user_frames`` (the frames jax counts as its users') on both versions."""
   from jax._src import source_info_util
-  return source_info_util.summarize(eqn.source_info)
+  frames = list(itertools.islice(source_info_util.user_frames(eqn.source_info.traceback),
+                                 64))
+  if not frames:
+    return source_info_util.summarize(eqn.source_info)
+  inner = frames[0]
+  if _library(inner.file_name) is None:
+    return _frame(inner)
+  user = next((f for f in frames if _library(f.file_name) is None), None)
+  library = _frame(inner, _library(inner.file_name))
+  return library if user is None else f"{_frame(user)} via {library}"
+
+
+def _library(path: str) -> str | None:
+  """The library of :data:`LIBRARIES` whose package holds ``path`` (None: the user's)."""
+  parts = path.replace("\\", "/").split("/")
+  for i in range(len(parts) - 1, -1, -1):
+    if parts[i] in LIBRARIES and i + 1 < len(parts):
+      return parts[i]
+  return None
+
+
+def _frame(frame, library: str | None = None) -> str:
+  """``file:line:col (function)``; a library's file from its package's root."""
+  path = frame.file_name
+  if library is not None:
+    path = path[path.replace("\\", "/").rfind(f"/{library}/") + 1:]
+  return f"{path}:{frame.start_line}:{frame.start_column} ({frame.function_name})"
+
+
+def threefry_partitionable(eqn) -> bool:
+  """Whether ``eqn`` was traced with ``jax_threefry_partitionable`` (its random bits are a
+  hash of each element's position, drawn piece by piece alike)."""
+  return bool(eqn.ctx.threefry_partitionable)
 
 
 def equation_config(eqn):
@@ -204,6 +252,21 @@ def equation_config(eqn):
   (random bits differ by it), which ``eqn.ctx.manager`` also sets along with the equation's
   own abstract mesh, wrong inside a shard_map that runs it per device."""
   return jax.threefry_partitionable(eqn.ctx.threefry_partitionable)
+
+
+def shard_map_specs_after(body, *, mesh, in_specs, axis_names=None):
+  """``jax.shard_map`` of ``body``, which returns ``(outputs, out_specs)``: a list of
+  outputs and their PartitionSpecs, known only as it is traced (module docstring)."""
+  specs: list = []
+
+  def run(*args):
+    outs, learned = body(*args)
+    specs[:] = list(learned)
+    return list(outs)
+
+  kw = {} if axis_names is None else {"axis_names": set(axis_names)}
+  return jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=specs, check_vma=False,
+                       **kw)
 
 
 def scan_counts(params) -> tuple[int, int]:

@@ -21,6 +21,7 @@ algorithm.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -80,12 +81,25 @@ def profile_in_use(profile: Profile | str | None = None) -> Profile:
 def candidates(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[int],
                nbytes: float, profile: Profile, *, partial_sum_scale: float = 1.0,
                native_scale: float | None = None, wire_ratio: float = 1.0,
-               topology: Topology | None = None):
+               topology: Topology | None = None) -> tuple[Candidate, ...]:
   """Every algorithm "auto" weighs, native first, with its predicted time
   (:func:`cost.schedule_times`; ranks placed as ``topology`` says; default one process).
   ``native_scale``: the lax collective's bytes over M where they differ from the schedules'
   partial sums (stochastic rounding: it reduces float32). ``wire_ratio``: a compressed
-  wire's bytes over the data's (``nbytes`` is then the compressed M)."""
+  wire's bytes over the data's (``nbytes`` is then the compressed M).
+
+  A pure function of its (hashable) arguments, priced once per distinct call: a step of
+  many collectives of few shapes prices each shape once."""
+  return _candidates(primitive, tuple(axis_names), tuple(int(n) for n in axis_sizes),
+                     float(nbytes), profile, float(partial_sum_scale),
+                     None if native_scale is None else float(native_scale), float(wire_ratio),
+                     topology, algorithms_lib.registry.generation())
+
+
+@functools.lru_cache(maxsize=4096)
+def _candidates(primitive, axis_names, axis_sizes, nbytes, profile, partial_sum_scale,
+                native_scale, wire_ratio, topology, generation) -> tuple[Candidate, ...]:
+  del generation   # in the key: an algorithm registered since is priced too
   placements = (topology, *topology.alternatives) if topology is not None else (None,)
   natives, priced = [], []
   native_scale = partial_sum_scale if native_scale is None else native_scale
@@ -100,7 +114,14 @@ def candidates(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[i
     label, algo, options, sched, t = times[0]
     out.append(Candidate(label, algo, tuple(sorted(options.items())), t, sched,
                          tuple(u[-1] for u in times[1:])))
-  return out
+  return tuple(out)
+
+
+def clear_caches() -> None:
+  """Forgets every schedule built, priced and planned, and every call priced, in this
+  process (what auto's first choice in a fresh process starts from)."""
+  cost.clear_caches()
+  _candidates.cache_clear()
 
 
 def pick(weighed: Sequence[Candidate], *, native_allowed: bool = True,

@@ -164,7 +164,7 @@ def execute(schedule: Schedule, rows: jax.Array, axis_name, *, op: str = "sum",
     raise ValueError(f"rows has {rows.shape[0]} chunks, the schedule needs {schedule.num_chunks}")
   if not schedule.steps:
     return rows
-  rank = lax.axis_index(axis_name)
+  rank = axes_lib.index(axis_name)
   axes = checks.as_axes(axis_name)
   rows = lax.optimization_barrier(rows)   # built once: see the module docstring
 

@@ -26,6 +26,8 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from jaxcoll._src import axes as axes_lib
+
 mark_invariant_p = Primitive("jaxcoll_mark_invariant")
 replicated_p = Primitive("jaxcoll_replicated")
 REPLICATED_PRIMITIVES = (mark_invariant_p.name, replicated_p.name)
@@ -48,7 +50,7 @@ def replicated(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 def check_vma_enabled(axes: tuple[str, ...]) -> bool:
   """True inside ``shard_map(check_vma=True)``: there ``axis_index`` is typed varying."""
-  return bool(set(axes) & jax.typeof(lax.axis_index(axes)).mat.varying)
+  return bool(axes) and axes[0] in jax.typeof(lax.axis_index(axes[0])).mat.varying
 
 
 def make_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -64,7 +66,7 @@ def _abstract_eval(aval, *, axes):
 def _transpose(ct, x, *, axes):
   del x
   ct = make_varying(ct, axes)
-  return (jnp.where(lax.axis_index(axes) == 0, ct, jnp.zeros_like(ct)),)
+  return (jnp.where(axes_lib.index(axes) == 0, ct, jnp.zeros_like(ct)),)
 
 
 def _batch(vals, dims, *, axes):

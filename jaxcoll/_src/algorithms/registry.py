@@ -80,6 +80,12 @@ class Algorithm:
 
 
 _REGISTRY: dict[str, dict[str, Algorithm]] = {p: {} for p in PRIMITIVES}
+_changes = [0]   # how many times the registry changed: caches of what it offers key on it
+
+
+def generation() -> int:
+  """A number that changes whenever an algorithm is registered or removed."""
+  return _changes[0]
 
 
 def register(primitive: str, name: str, **metadata):
@@ -89,6 +95,7 @@ def register(primitive: str, name: str, **metadata):
 
   def wrap(builder):
     _REGISTRY[primitive][name] = Algorithm(primitive, name, builder, **metadata)
+    _changes[0] += 1
     return builder
   return wrap
 
@@ -98,6 +105,7 @@ def unregister(primitive: str, name: str) -> None:
   spec(primitive)
   if _REGISTRY[primitive].pop(name, None) is None:
     raise ValueError(f"name={name!r}: {primitive} has no algorithm of that name")
+  _changes[0] += 1
   schedule.cache_clear()
 
 

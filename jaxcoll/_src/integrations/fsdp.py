@@ -50,6 +50,7 @@ from jaxcoll._src.algorithms import algorithms
 from jaxcoll._src.collectives import all_gather, reduce_scatter
 from jaxcoll.extend import (
   axes_in_mesh,
+  axis_index,
   check_algorithm,
   check_axis_names,
   check_floating,
@@ -264,7 +265,7 @@ def _gather_stage_bwd(stage, key, ct):
   reduced = reduce_scatter(wide, stage.axes, algorithm=stage.grad_algorithm,
                            wire_dtype=stage.grad_wire_dtype)
   if key is not None:   # a shard of its own on each device: bits of its own
-    key = jax.random.fold_in(key, jax.lax.axis_index(stage.axes))
+    key = jax.random.fold_in(key, axis_index(stage.axes))
   return round_to(reduced, stage.input_dtype, key), None
 
 

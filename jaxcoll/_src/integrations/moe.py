@@ -51,6 +51,7 @@ from jaxcoll._src.integrations.moe_cost import (
   explain_moe,
 )
 from jaxcoll.extend import (
+  axis_index,
   axis_size,
   axis_sizes,
   check_algorithm,
@@ -560,7 +561,7 @@ def _gathered_table(expert_ids, state: RoutingState):
   t, k = expert_ids.shape
   local = state.num_experts // n
   ids = all_gather(expert_ids.astype(jnp.int32), state.axis_name)       # [N, T, k]
-  first = lax.axis_index(axes) * local
+  first = axis_index(axes) * local
 
   def one(i, ei):
     table = _table(ei, _slots(ei, state.num_experts, state.capacity)[0], first, local,

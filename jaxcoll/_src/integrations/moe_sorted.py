@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcoll._src.collectives import all_gather, all_to_all
-from jaxcoll.extend import axis_size, make_varying, normalize_axes
+from jaxcoll.extend import axis_index, axis_size, make_varying, normalize_axes
 
 
 @jax.tree_util.register_dataclass
@@ -104,7 +104,7 @@ def plan(expert_ids, ranks, counts, axis_name, *, num_experts: int, rows: int,
   pair's rank among this device's pairs to its expert, ``counts [E]`` its pairs per expert."""
   t, k = expert_ids.shape
   axes = normalize_axes(axis_name)
-  n, me = axis_size(axes), lax.axis_index(axes)
+  n, me = axis_size(axes), axis_index(axes)
   local = num_experts // n
   g = all_gather(counts.astype(jnp.int32), axis_name)                     # [N_src, E]
   by_dst = jnp.transpose(g.reshape(n, n, local), (1, 2, 0)).reshape(n, local * n)
