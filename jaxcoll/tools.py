@@ -9,7 +9,8 @@ what one call runs and why, the one decision "auto" makes (:func:`decide` of a
 side-by-side timing (:func:`interleaved`); calibration's two halves (:func:`measure`,
 :func:`fit`); meshes and their axes (:func:`mesh_shape`, :func:`axes_in_mesh`); byte sizes
 and times as people write them (:func:`parse_size`, :func:`format_size`,
-:func:`format_seconds`); and :func:`unregister`, the undo of :func:`jaxcoll.register`.
+:func:`format_seconds`); a compiled program's flops per device (:func:`flops_of`); and
+:func:`unregister`, the undo of :func:`jaxcoll.register`.
 ``jaxcoll-bench`` (:mod:`jaxcoll.bench`) and ``benchmarks/`` use only these and the
 ``jaxcoll`` namespace. What integrations are built with is :mod:`jaxcoll.extend`.
 """
@@ -18,16 +19,18 @@ from jaxcoll._src.algorithms import NATIVE, SCHEDULE, label
 from jaxcoll._src.calibrate import Measurements, fit, measure
 from jaxcoll._src.checks import axes_in_mesh, mesh_shape
 from jaxcoll._src.collectives import algorithm_of, flat_call
-from jaxcoll._src.cost import clear_caches, native_equivalents
+from jaxcoll._src.cost import native_equivalents
 from jaxcoll._src.dispatch import (
     NATIVE_MARGIN,
     Call,
     Candidate,
     Decision,
     Pricing,
+    clear_caches,
     decide,
     profile_in_use,
 )
+from jaxcoll._src.integrations.step_report import flops_of
 from jaxcoll._src.registration import unregister
 from jaxcoll._src.spec import CollectiveSpec, primitives, spec
 from jaxcoll._src.timing import interleaved
@@ -50,6 +53,7 @@ __all__ = (
     "fit",
     "flat_call",
     "format_seconds",
+    "flops_of",
     "format_size",
     "interleaved",
     "label",

@@ -243,6 +243,43 @@ def test_bad_arguments_name_what_was_expected():
     jaxcoll.explain_step(models.loss, params, batch)
   with pytest.raises(TypeError, match=r"use\(strict=...\)"):
     jaxcoll.use(models.loss, strict="yes")
+  with pytest.raises(TypeError, match=r"use\(fun=42\): expected a callable"):
+    jaxcoll.use(42)
+  with pytest.raises(TypeError, match=r"use\(fun='step'\): expected a callable"):
+    jaxcoll.use(algorithm="ring")("step")
+
+
+def test_inputs_on_different_meshes_are_refused_by_name():
+  """As ``jax.jit`` refuses them: each input named, each mesh's devices."""
+  from jax.sharding import Mesh
+  first = Mesh(np.array(jax.devices()[:4]), ("data",))
+  second = Mesh(np.array(jax.devices()[4:]), ("data",))
+  a = put(jnp.ones(8), first, P("data"))
+  b = put(jnp.ones(8), second, P("data"))
+  with pytest.raises(ValueError, match=r"different meshes: args\[0\] on \{'data': 4\} "
+                                       r"\(devices \[0, 1, 2, 3\]\), args\[1\]\['b'\] on "
+                                       r"\{'data': 4\} \(devices \[4, 5, 6, 7\]\)"):
+    jaxcoll.use(lambda x, y: x + y["b"])(a, {"b": b})
+
+
+def test_the_report_names_the_users_frame_beside_the_librarys():
+  """An optimizer's gradient sum is made in optax's code; the report's line names the
+  user's call (this file) and optax's frame beside it."""
+  import optax
+  tx = optax.adam(1e-2)
+
+  def step(w, state, x):
+    grad = jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+    updates, state = tx.update(grad, state, w)
+    return optax.apply_updates(w, updates), state
+
+  mesh = make_mesh((8,), ("data",))
+  w = put(jnp.ones((8, 4)), mesh, P())
+  x = put(jnp.ones((64, 8)), mesh, P("data"))
+  with jax.set_mesh(mesh):
+    report = jaxcoll.explain_step(jaxcoll.use(step, algorithm="ring"), w, tx.init(w), x)
+  (line,) = [x for x in report.collectives if x.what == "all_reduce"]
+  assert "test_use_pjit.py" in line.where and ".step) via optax/" in line.where, line
 
 
 # ---- a gather and scatter-add whose rows pair with the indices' (take_along_axis) ----

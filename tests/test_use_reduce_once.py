@@ -234,3 +234,24 @@ def test_a_partial_value_is_reduced_once_whatever_reads_it(linear, nonlinear, wh
     for m in seen[1:]:
       both = ~np.isnan(m) & ~np.isnan(seen[0])
       np.testing.assert_allclose(m[both], seen[0][both], rtol=1e-5, atol=1e-6)
+
+
+# ---- what a lossy wire touches: sums and gathers, never a max or a min ----
+
+@pytest.mark.parametrize("wire", ["int8", "float8_e4m3fn", "bfloat16"])
+def test_a_lossy_wire_never_rounds_a_max(wire):
+  """argmax, max and min over a split dimension, and a shard_map's ``lax.pmax``, are exact
+  under a compressed wire: each selects a device's own value (a rounded maximum matched
+  none, and argmax returned 2**31 - 1)."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  x = jax.device_put(jax.random.normal(jax.random.key(0), (64, 16)),
+                     NamedSharding(mesh, P("data")))
+  split = lambda x: (jnp.argmax(x, axis=0), jnp.max(x, axis=0), jnp.min(x, axis=0))  # noqa: E731
+  island = jax.shard_map(lambda x: jax.lax.pmax(x, "data"), mesh=mesh, in_specs=P("data"),
+                         out_specs=P())
+  with jax.set_mesh(mesh):
+    for fn in (split, island):
+      for got, want in zip(jax.tree.leaves(jaxcoll.use(fn, algorithm="ring",
+                                                       wire_dtype=wire)(x)),
+                           jax.tree.leaves(jax.jit(fn)(x))):
+        np.testing.assert_array_equal(got, want)

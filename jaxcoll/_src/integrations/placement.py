@@ -89,17 +89,28 @@ class Local:
   """One device's piece of a value and its placement; ``var``: the jaxpr variable it is
   the value of (None for literals and temporaries). ``key`` names the logical value (the
   same in every scope it is bound in); ``origin``: how a partial sum was made from other
-  partial sums (:class:`partials.Origin`), None for a source or a value that is no sum."""
+  partial sums (:class:`partials.Origin`), None for a source or a value that is no sum.
+  ``slicer``: for a value computed whole that can be computed piece by piece (random bits,
+  an iota, a broadcast, elementwise functions of those), ``slicer(placement)`` makes this
+  device's piece under a finer split directly, so that a value every device would compute
+  whole (and XLA then drops) is drawn or computed only where it is needed."""
 
   value: object
   place: Placement
   var: object = None
   origin: object = None
   key: int = dataclasses.field(default_factory=lambda: next(_keys))
+  slicer: object = None
 
   def bound_to(self, var) -> Local:
-    """The same value (key, origin) bound to ``var``."""
-    return Local(self.value, self.place, var, self.origin, self.key)
+    """The same value (key, origin, slicer) bound to ``var``."""
+    return Local(self.value, self.place, var, self.origin, self.key, self.slicer)
+
+  def finer(self, place: Placement) -> bool:
+    """Whether ``place`` splits this value further, nothing partial on either side (each
+    dimension's axes begin with this value's)."""
+    return not self.place.partial and not place.partial and all(
+        b[:len(a)] == a for a, b in zip(self.place.dims, place.dims))
 
 
 def replicated(ndim: int) -> Placement:

@@ -69,10 +69,11 @@ class _Options:
         check_choice(p, a, "use(algorithm=...)")
       self.algorithm = dict(algorithm)
     elif isinstance(algorithm, str):
-      if algorithm != "auto" and not any(algorithm in algorithms(p) for p in PRIMITIVES):
+      if algorithm not in ("auto", SCHEDULE) and not any(algorithm in algorithms(p)
+                                                         for p in PRIMITIVES):
         raise ValueError(f"use(algorithm={algorithm!r}): no collective offers it; expected "
-                         "'auto', a mapping {primitive: algorithm} or a name from "
-                         "jaxcoll.algorithms(primitive)")
+                         f"'auto', {SCHEDULE!r}, a mapping {{primitive: algorithm}} or a "
+                         "name from jaxcoll.algorithms(primitive)")
       self.algorithm = algorithm
     else:
       raise ValueError(f"use(algorithm={algorithm!r}): expected 'auto', a name or a mapping "
@@ -97,9 +98,14 @@ class _Options:
       return "auto" if name in ("auto", NATIVE) else SCHEDULE
     return name
 
-  def wire_for(self, x) -> dict:
-    """``wire_dtype=`` for a leaf the format compresses (the rest travel as they are)."""
-    return {"wire_dtype": self.wire} if compresses(self.wire, x.dtype) else {}
+  def wire_for(self, primitive: str, dtype, op: str = "sum") -> dict:
+    """``wire_dtype=`` where ``use`` sends a collective compressed: the sums
+    (all_reduce, reduce_scatter) and gathers of data the format compresses. Never a max or
+    a min (it selects a value: a rounded maximum matches no device's own, and argmax over a
+    split dimension reads that match), nor an all_to_all; the rest travel as they are. The
+    one place ``use`` decides it, for shard_map programs and global ones alike."""
+    wanted = primitive in ("all_reduce", "reduce_scatter", "all_gather") and op == "sum"
+    return {"wire_dtype": self.wire} if wanted and compresses(self.wire, dtype) else {}
 
   def vary(self, x, axes: tuple[str, ...]):
     """:func:`varying.vary` with this rewrite's algorithm and wire format for its sum."""
@@ -139,7 +145,7 @@ def _reduce(op: str):
     axes = _manual(params, "axes")
     if axes is None:
       return None
-    return [all_reduce(x, axes, op=op, **opts.wire_for(x),
+    return [all_reduce(x, axes, op=op, **opts.wire_for("all_reduce", x.dtype, op),
                        algorithm=opts.algorithm_for("all_reduce", axes))
             for x in invals]
   return rule
@@ -152,7 +158,7 @@ def _all_gather(to: str):
       return None
     (x,) = invals
     return [all_gather(x, axes, axis=params["all_gather_dimension"],
-                       tiled=params["tiled"], to=to, **opts.wire_for(x),
+                       tiled=params["tiled"], to=to, **opts.wire_for("all_gather", x.dtype),
                        algorithm=opts.algorithm_for("all_gather", axes))]
   return rule
 
@@ -163,7 +169,7 @@ def _reduce_scatter(opts, invals, params):
     return None
   (x,) = invals
   return [reduce_scatter(x, axes, scatter_dimension=params["scatter_dimension"],
-                         tiled=params["tiled"], **opts.wire_for(x),
+                         tiled=params["tiled"], **opts.wire_for("reduce_scatter", x.dtype),
                          algorithm=opts.algorithm_for("reduce_scatter", axes))]
 
 
@@ -511,21 +517,27 @@ def _global_program(opts: _Options, closed, flat, in_tree, dynamic, out_tree):
   jit_in, jit_out = _jit_layouts(closed.jaxpr)
   given_in = _flat_shardings(opts.in_shardings, in_tree, "in_shardings")
   given_in = [given_in[i] for i in dynamic] if given_in else _merge(jit_in, opts.in_flat)
-  mesh = spmd.mesh_of(flat, given_in)
+  mesh = spmd.mesh_of(flat, given_in, _leaf_names(in_tree, dynamic))
   if mesh is None:
     return None
   names = tuple(mesh.axis_names)
+  islands = _shard_map_axes(closed.jaxpr)
   if opts.axes is None:
     if not _computes_outside_shard_map(closed.jaxpr):
       return None
     places = spmd.input_places(flat, names, given_in)
-    used = {a for p in places for a in p.sharded} | _shard_map_axes(closed.jaxpr)
-    manual = tuple(a for a in names if a in used and mesh.shape[a] > 1)   # 1: nothing to say
+    split = {a for p in places for a in p.sharded if mesh.shape[a] > 1}   # 1: nothing to say
+    manual = tuple(a for a in names if a in split or a in islands)
     if not manual:
       return None
   else:
     axes_in_mesh(opts.axes, mesh, "use(axes=...)")
     manual = tuple(a for a in names if a in opts.axes)
+    if not islands <= set(manual):
+      raise ValueError(f"use(axes={opts.axes!r}): the program holds a shard_map over "
+                       f"{tuple(a for a in names if a in islands)}, whose axes use runs per "
+                       f"device; expected axes naming {sorted(islands - set(manual))} too, "
+                       "or axes=None (every axis the inputs and shard_maps use)")
     left = sorted({a for p in spmd.input_places(flat, names, given_in) for a in p.sharded}
                   - set(manual))
     if left:
@@ -537,6 +549,16 @@ def _global_program(opts: _Options, closed, flat, in_tree, dynamic, out_tree):
       from_spec(spmd.spec_of(s), len(v.aval.shape), manual) if s is not None else None
       for s, v in zip(given_out, closed.jaxpr.outvars)]
   return mesh, manual, places, out_places
+
+
+def _leaf_names(in_tree, dynamic) -> list[str]:
+  """The names of the array arguments, as ``jax.jit``'s errors write them
+  (``args[0]['w']``)."""
+  tree = jax.tree.unflatten(in_tree, list(range(in_tree.num_leaves)))
+  paths = {i: jax.tree_util.keystr(path) for path, i in
+           jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return ["args" + paths[i][3:] if paths[i].startswith("[0]") else "kwargs" + paths[i][3:]
+          for i in dynamic]
 
 
 def _merge(first, second):
@@ -691,7 +713,9 @@ def use(fun: Callable | None = None, *, algorithm="auto", wire_dtype=None, profi
 
   Raises:
     ValueError: an axis not in the mesh, shardings that are no prefix of the arguments,
-      an equation refused under ``strict``. TypeError: a ``strict`` that is no bool.
+      ``axes`` leaving out a shard_map's axes, inputs on different meshes (at the call),
+      an equation refused under ``strict``. TypeError: ``fun`` that is not callable, a
+      ``strict`` that is no bool.
 
   Example:
     >>> step = jaxcoll.use(train_step, algorithm="ring")   # doctest: +SKIP
@@ -699,5 +723,12 @@ def use(fun: Callable | None = None, *, algorithm="auto", wire_dtype=None, profi
   """
   opts = _Options(algorithm, wire_dtype, profile, axes, in_shardings, out_shardings, strict)
   if fun is None:
-    return lambda f: rewrite(f, opts)
-  return rewrite(fun, opts)
+    return lambda f: rewrite(_callable(f), opts)
+  return rewrite(_callable(fun), opts)
+
+
+def _callable(fun):
+  if not callable(fun):
+    raise TypeError(f"use(fun={fun!r}): expected a callable (a function, a jax.jit-ed "
+                    "function, a flax apply), not a " + type(fun).__name__)
+  return fun

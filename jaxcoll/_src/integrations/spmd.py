@@ -17,10 +17,9 @@ that must be whole or split, a split dimension that must be whole, an axis that 
   read ahead from the equations that consume it (:meth:`Evaluator.headed_for`).
 - An equation without a rule gets its inputs whole and runs as it was (correct, and
   reported), or, with ``strict``, is an error naming it and its source line.
-- The shard_map's ``out_specs`` must be known before its body is traced, so the body is
-  traced twice: once abstractly (``jax.eval_shape``) to learn the outputs' placements and
-  record the report, once for real. Every decision is a function of placements and the
-  program alone, so both traces make the same ones.
+- The outputs' placements are known once the body is traced; jax reads a shard_map's
+  ``out_specs`` only then (:func:`compat.shard_map_specs_after`), so the program is traced
+  once.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from jaxcoll._src.integrations.spmd_rules import (
   keeps_partial,
   laid_out_as_asked,
 )
-from jaxcoll.extend import ReportLine, compresses, record_at, record_note, record_paused
+from jaxcoll.extend import ReportLine, axis_index, record_at, record_note
 
 
 @dataclasses.dataclass
@@ -59,6 +58,7 @@ class _Scope:
   jaxpr: object
   env: dict
   reduced: dict
+  moved: dict                # values moved to other placements here: (key, placement)
   pending: dict = dataclasses.field(default_factory=dict)
   consumers: dict | None = None
   producers: dict | None = None
@@ -72,18 +72,30 @@ class Evaluator:
   as its (:mod:`record`)."""
 
   def __init__(self, sizes: dict, manual: tuple[str, ...], options: Callable,
-               strict: bool = False, rewrite_island: Callable | None = None):
+               strict: bool = False, rewrite_island: Callable | None = None,
+               abstract: bool = False, known: dict | None = None):
     self.sizes, self.manual, self.strict = dict(sizes), tuple(manual), strict
     self.rewrite_island = rewrite_island
+    self.known = {} if known is None else known   # bodies' placements (abstract_places)
     self.scopes: list[_Scope] = []
-    self.comm = Comm(options, self.manual)
+    self.comm = Comm(options, self.manual, abstract, self.index)
     self.where = ["-"]   # the innermost user source line (library code inside has none)
 
+  def index(self, axes) -> object:
+    """This device's index over ``axes`` (``lax.axis_index``), once per region: each
+    index lowers to partition-id arithmetic of its own."""
+    moved = self.scopes[-1].moved
+    key = ("index", tuple(axes))
+    if key not in moved:
+      moved[key] = axis_index(axes)
+    return moved[key]
+
   def fresh(self) -> Evaluator:
-    """An evaluator of the same mesh and options that records nothing here (an abstract
-    run of a loop body, to find its carries' placements)."""
+    """An evaluator of the same mesh and options for an abstract run (a loop body's, to
+    find its carries' placements): the same placements, lax collectives in place of
+    jaxcoll's (:class:`redistribute.Comm`), nothing recorded."""
     return Evaluator(self.sizes, self.manual, self.comm.options, self.strict,
-                     self.rewrite_island)
+                     self.rewrite_island, abstract=True, known=self.known)
 
   # ---- evaluation ----
 
@@ -94,8 +106,9 @@ class Evaluator:
     outputs' pieces giving them), their values moved there (the partial sums among them
     reduced together). ``inline``: a call in the current trace (its values reduced are the
     caller's); else a body of its own (a loop's or a branch's)."""
-    region = self.scopes[-1].reduced if inline and self.scopes else {}
-    scope = _Scope(jaxpr, {}, region)
+    outer = self.scopes[-1] if inline and self.scopes else None
+    scope = _Scope(jaxpr, {}, {}, {}) if outer is None else \
+        _Scope(jaxpr, {}, outer.reduced, outer.moved)
     self.scopes.append(scope)
     try:
       for var, local in (*zip(jaxpr.constvars, consts), *zip(jaxpr.invars, args)):
@@ -165,7 +178,13 @@ class Evaluator:
       local = self.derive(local)
       if local.place == place:
         return local.value
-    return redistribute(local.value, local.place, place, self.comm)
+    key = (local.key, local.place, place)   # once per value and placement: many readers
+    if key not in scope.moved:
+      if local.slicer is not None and local.finer(place):
+        scope.moved[key] = local.slicer(place)
+      else:
+        scope.moved[key] = redistribute(local.value, local.place, place, self.comm)
+    return scope.moved[key]
 
   def flush(self, scope: _Scope) -> None:
     """Every partial sum waiting in ``scope`` that is still to be read made whole (or split
@@ -230,7 +249,8 @@ class Evaluator:
     """The placement the sum in ``var`` will be needed in: following its consumers through
     equations that keep it a sum of the same shape (a scale, a negation, an add of another
     sum), the first that meets a value of known, split placement (an FSDP parameter, or its
-    optimizer state) splits it the same way; else whole (an all-reduce)."""
+    optimizer state) splits it the same way, as far as the sum's own axes go (the rest is
+    sliced for free when it meets that value); else whole (an all-reduce)."""
     consumers = self._consumers(scope)
     frontier, seen = [var], set()
     while frontier:
@@ -246,10 +266,9 @@ class Evaluator:
             continue
           known = self._known_place(scope, other)
           if known is not None and known.ndim == place.ndim and not known.partial:
-            target = Placement(known.dims)
-            if all(not place.dims[d] or place.dims[d] == target.dims[d]
-                   for d in range(place.ndim)) and target.sharded <= place.partial | \
-                place.sharded:
+            target = _within(known, place.partial | place.sharded)
+            if target.sharded and all(not place.dims[d] or place.dims[d] == target.dims[d]
+                                      for d in range(place.ndim)):
               return target
         if keeps_partial(eqn):
           frontier += [o for o in eqn.outvars if len(getattr(o.aval, "shape", ())) == place.ndim]
@@ -332,14 +351,26 @@ class Evaluator:
     record_note(ReportLine.WHOLE, eqn.primitive.name, reason)
 
 
+def _within(place: Placement, axes) -> Placement:
+  """``place``'s splits cut to what ``axes`` can make: each dimension's longest run of axes
+  among them, from the major end."""
+  dims = []
+  for d in place.dims:
+    run = []
+    for a in d:
+      if a not in axes:
+        break
+      run.append(a)
+    dims.append(tuple(run))
+  return Placement(tuple(dims))
+
+
 def options_for(opts) -> Callable:
   """The collectives' keyword arguments under ``use``'s options: the algorithm each primitive
-  gets, and the wire format where it compresses the data."""
-  def options(primitive: str, axes, dtype) -> dict:
-    out = {"algorithm": opts.algorithm_for(primitive, tuple(axes))}
-    if compresses(opts.wire, dtype) and primitive != "all_to_all":
-      out["wire_dtype"] = opts.wire
-    return out
+  gets, and the wire format where ``use`` compresses (``opts.wire_for``)."""
+  def options(primitive: str, axes, dtype, op: str = "sum") -> dict:
+    return {"algorithm": opts.algorithm_for(primitive, tuple(axes)),
+            **opts.wire_for(primitive, dtype, op)}
   return options
 
 
@@ -372,15 +403,54 @@ def spec_of(sharding):
   return getattr(sharding, "spec", None)
 
 
-def mesh_of(leaves, given=None):
-  """The mesh the inputs are laid out on: a NamedSharding's (given or the arrays' own), else
-  the one ``jax.set_mesh`` set; None when there is none."""
-  for s in list(given or ()) + [_sharding_of(x) for x in leaves]:
+def mesh_of(leaves, given=None, names=None):
+  """The mesh the inputs are laid out on: their NamedShardings' (given, else the arrays'
+  own), else the one ``jax.set_mesh`` set; None when there is none.
+
+  Raises:
+    ValueError: two inputs on different meshes (``names``: the inputs' names for the
+      message), which ``jax.jit`` refuses too.
+  """
+  found = []
+  for i, x in enumerate(leaves):
+    s = given[i] if given is not None and given[i] is not None else _sharding_of(x)
     mesh = getattr(s, "mesh", None)
     if mesh is not None and getattr(mesh, "axis_names", ()):
-      return mesh
+      found.append((i, mesh))
+  for i, mesh in found[1:]:
+    if _differ(mesh, found[0][1]):
+      name = (lambda k: names[k] if names else f"input {k}")   # noqa: E731
+      raise ValueError(
+          f"use: the inputs are laid out on different meshes: {name(found[0][0])} on "
+          f"{_words(found[0][1])}, {name(i)} on {_words(mesh)}; jax.jit refuses that too. "
+          "Expected every input on one mesh (jax.device_put), or use(in_shardings=...) "
+          "naming one")
+  if found:
+    return found[0][1]
   mesh = jax.sharding.get_abstract_mesh()
   return mesh if getattr(mesh, "axis_names", ()) else None
+
+
+def _devices(mesh) -> list | None:
+  """A concrete mesh's device ids in mesh order (None for an abstract mesh)."""
+  if not isinstance(mesh, jax.sharding.Mesh):
+    return None
+  return [d.id for d in mesh.devices.flat]
+
+
+def _words(mesh) -> str:
+  shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  return f"{shape}" + ("" if _devices(mesh) is None else f" (devices {_devices(mesh)})")
+
+
+def _differ(a, b) -> bool:
+  """Whether two meshes are different ones: other axes or sizes, or other devices where
+  both are concrete."""
+  if tuple(a.axis_names) != tuple(b.axis_names) or \
+      tuple(a.axis_sizes) != tuple(b.axis_sizes):
+    return True
+  devices = [_devices(m) for m in (a, b)]
+  return None not in devices and devices[0] != devices[1]
 
 
 def run(closed, leaves, mesh, manual: tuple[str, ...], places: Sequence[Placement],
@@ -395,23 +465,24 @@ def run(closed, leaves, mesh, manual: tuple[str, ...], places: Sequence[Placemen
   transpose (``jax.grad`` of the result) sums nothing itself: the sum runs as the stack's
   transpose, a jaxcoll all_reduce."""
   sizes = {a: int(mesh.shape[a]) for a in manual}
-  learned: dict = {}
   n = len(leaves)   # the program's constants enter as inputs too: no closure over them
   leaves = [*leaves, *closed.consts]
   places = [*places, *input_places(closed.consts, manual)]
 
   def body(stacked, *locals_):
+    """The program on this device's pieces: ``(outputs, their specs)``."""
     ev = Evaluator(sizes, manual, options, strict, rewrite_island)
     pieces = [Local(v[0] if s else v, p) for v, s, p in zip(locals_, stacked, places)]
     args, consts = pieces[:n], pieces[n:]
+    chosen: list = []
 
     def targets(outs):   # where the outputs fall, whole (out_places where given)
       given = out_places or [None] * len(outs)
-      chosen = [g if g is not None else o.place.whole() for g, o in zip(given, outs)]
-      learned.update(places=chosen)
+      chosen.extend(g if g is not None else o.place.whole() for g, o in zip(given, outs))
       return chosen
 
-    return tuple(ev.run_jaxpr(closed.jaxpr, consts, args, targets))
+    outs = ev.run_jaxpr(closed.jaxpr, consts, args, targets)
+    return outs, [p.spec() for p in chosen]
 
   def program(*leaves):   # under jit: a stack is a broadcast whose copies stay where they are
     leaves, in_specs, stacked = list(leaves), [], []
@@ -424,17 +495,8 @@ def run(closed, leaves, mesh, manual: tuple[str, ...], places: Sequence[Placemen
       in_specs.append(spec)
       stacked.append(stack is not None and bool(missing))
     auto = set(mesh.axis_names) - set(manual)
-    kw = {"axis_names": set(manual)} if auto else {}
-
-    def probe(*locals_):
-      body(stacked, *locals_)
-      return ()
-
-    with record_paused():
-      jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=tuple(in_specs), out_specs=(),
-                                   check_vma=False, **kw), *leaves)
-    out_specs = tuple(p.spec() for p in learned["places"])
-    return jax.shard_map(functools.partial(body, stacked), mesh=mesh, in_specs=tuple(in_specs),
-                         out_specs=out_specs, check_vma=False, **kw)(*leaves)
+    return compat.shard_map_specs_after(functools.partial(body, stacked), mesh=mesh,
+                                        in_specs=tuple(in_specs),
+                                        axis_names=manual if auto else None)(*leaves)
 
   return list(jax.jit(program)(*leaves))

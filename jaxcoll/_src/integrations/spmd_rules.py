@@ -36,10 +36,13 @@ its shape parameters made local, and returns the outputs' pieces with their plac
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.random import threefry2x32_p
 
 from jaxcoll._src import compat
 from jaxcoll._src.collectives import all_reduce
@@ -61,7 +64,7 @@ ELEMENTWISE = frozenset({
     "rem", "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
     "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan", "tanh", "xor",
     "zeta", "random_gamma_grad", "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta",
-    "stop_gradient",
+    "stop_gradient", "bitcast_convert_type",
 })
 _SUMS = frozenset({"add", "sub", "add_any"})             # linear in all operands together
 _UNARY_LINEAR = frozenset({"neg", "copy", "copy_p", "real", "imag", "conj", "stop_gradient"})
@@ -116,16 +119,18 @@ def _partial_kept(eqn, ins: list[Local]) -> frozenset:
 
 
 def _join_dims(ev, places, shape, taken=frozenset()) -> tuple:
-  """Per dimension, the first split among ``places`` whose axes no earlier dimension (and
-  none of ``taken``) uses, and that divides the dimension evenly."""
+  """Per dimension, a split among ``places`` whose axes no earlier dimension (and none of
+  ``taken``) uses, and that divides the dimension evenly: the first, or a finer one that
+  begins with it (the coarser inputs are then sliced to it for free, where taking the
+  coarser would gather the finer)."""
   dims, used = [], set(taken)
   for d, n in enumerate(shape):
-    chosen = ()
-    for p in places:
-      axes = p.dims[d] if d < p.ndim else ()
-      if axes and not used & set(axes) and n % ev.count(axes) == 0:
+    fits = [p.dims[d] for p in places if d < p.ndim and p.dims[d] and
+            not used & set(p.dims[d]) and n % ev.count(p.dims[d]) == 0]
+    chosen = fits[0] if fits else ()
+    for axes in fits[1:]:
+      if axes[:len(chosen)] == chosen:
         chosen = axes
-        break
     used |= set(chosen)
     dims.append(chosen)
   return tuple(dims)
@@ -145,7 +150,26 @@ def _elementwise(ev, eqn, ins):
       continue
     own = tuple(a if v.aval.shape[d] == shape[d] else () for d, a in enumerate(dims))
     values.append(ev.to(x, Placement(own, x.place.partial & keep)))
-  return [Local(o, Placement(dims, keep)) for o in ev.bind(eqn, values)]
+  out = Local(ev.bind(eqn, values)[0], Placement(dims, keep))
+  if not keep and any(x.slicer is not None for x in ins) and \
+      not any(x.place.partial for x in ins):
+    out.slicer = _elementwise_piece(ev, eqn, ins, shape)
+  return [out]
+
+
+def _elementwise_piece(ev, eqn, ins, shape):
+  """An elementwise equation's result under a finer split: the equation on its inputs'
+  pieces (each made by its own slicer where it has one)."""
+  def piece(place: Placement):
+    values = []
+    for x, v in zip(ins, eqn.invars):
+      if x.place.ndim != len(shape):
+        values.append(ev.to(x, replicated(x.place.ndim)))
+      else:
+        own = tuple(a if v.aval.shape[d] == shape[d] else () for d, a in enumerate(place.dims))
+        values.append(ev.to(x, Placement(own)))
+    return ev.bind(eqn, values)[0]
+  return piece
 
 
 def _whole_dims(place: Placement, dims) -> Placement:
@@ -203,9 +227,14 @@ def _dot_general(ev, eqn, ins):
   over it), or nothing (both whole; or one operand left a partial sum, the result then
   partial too). As XLA's partitioner does, a role that leaves both operands where they are
   wins (a data-parallel weight gradient stays a partial sum, reduced later with the others
-  in buckets); else whichever moves the fewest bytes (:func:`_move_bytes`; a partial result
-  priced as its all-reduce). An FSDP weight split on a free dimension beside a
-  batch-split activation is thus gathered, the activation left where it is."""
+  in buckets); else one that leaves an operand split on a batch or free dimension where it
+  is (the result stays split: the work stays divided, where a whole result would have
+  every later equation repeated on every device); then whichever moves the fewest bytes
+  (:func:`_move_bytes`; a partial result priced as its all-reduce). An FSDP weight beside
+  a batch-split activation, split on either of its dimensions, is thus gathered, the
+  activation left where it is. An axis neither operand uses splits the product too (a
+  batch dimension, else the left operand's rows, else the right's columns: a free slice),
+  so that its devices divide the work rather than each repeat it."""
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   lhs, rhs = ins
   L, R = lhs.place, rhs.place
@@ -235,13 +264,15 @@ def _dot_general(ev, eqn, ins):
       if not (fits(ldims, lshape, ld, n) and fits(rdims, rshape, rd, n)):
         continue
       moved = _move_bytes(cl, ld, piece_l, n) + _move_bytes(cr, rd, piece_r, n)
-      options = [((moved > 0, moved + (reduce_out if ld in lc and ld is not None else 0)),
-                  None)]
+      kept = (ld is not None and ld == cl and ld not in lc) or \
+          (rd is not None and rd == cr and rd not in rc)   # an operand's row split stays
+      options = [((moved > 0, moved > 0 and not kept,
+                   moved + (reduce_out if ld in lc and ld is not None else 0)), None)]
       if (ld, rd) == (None, None):   # one operand may stay a sum: so is the product
         if cl == "partial" and cr is None:
-          options.append(((False, reduce_out), "l"))
+          options.append(((False, False, reduce_out), "l"))
         if cr == "partial" and cl is None:
-          options.append(((False, reduce_out), "r"))
+          options.append(((False, False, reduce_out), "r"))
       for cost, keep in options:
         if best is None or cost < best[0]:
           best = (cost, ld, rd, keep)
@@ -253,6 +284,15 @@ def _dot_general(ev, eqn, ins):
     if ld is not None and ld in lc:
       summed.add(a)
     (keep_l if keep == "l" else keep_r if keep == "r" else set()).add(a)
+  for a in ev.manual:   # an axis neither operand uses: split the product rather than repeat it
+    if a in axes:
+      continue
+    for ld, rd in roles[:len(lb) + len(lfree) + len(rfree)]:   # batch, then rows, then columns
+      if fits(ldims, lshape, ld, ev.sizes[a]) and fits(rdims, rshape, rd, ev.sizes[a]):
+        (ldims[ld] if ld is not None else rdims[rd]).append(a)
+        if ld is not None and rd is not None:
+          rdims[rd].append(a)
+        break
   ldims, rdims = [tuple(x) for x in ldims], [tuple(x) for x in rdims]
   values = [ev.to(lhs, Placement(tuple(ldims), frozenset(keep_l))),
             ev.to(rhs, Placement(tuple(rdims), frozenset(keep_r)))]
@@ -299,7 +339,7 @@ def _arg_reduce(best: str):
       return [Local(index, keep)]
     local = jnp.take_along_axis(value, jnp.expand_dims(index, d).astype(jnp.int32), d)
     local = jnp.squeeze(local, d)
-    index = index + lax.axis_index(axes).astype(index.dtype) * value.shape[d]
+    index = index + ev.index(axes).astype(index.dtype) * value.shape[d]
     top = ev.comm.run(all_reduce, "all_reduce", local, axes, op=best)
     mine = jnp.where(local == top, index, jnp.iinfo(index.dtype).max)
     return [Local(ev.comm.run(all_reduce, "all_reduce", mine, axes, op="min"), keep)]
@@ -322,7 +362,64 @@ def _broadcast_in_dim(ev, eqn, ins):
   out = ev.bind(eqn, [ev.to(x, Placement(kept, x.place.partial)),
                       *[ev.to(v, replicated(0)) for v in dyn]],
                 shape=ev.local_shape(shape, place))
-  return [Local(out[0], place)]
+  local = Local(out[0], place)
+  if not dyn and not x.place.partial:   # a piece: the operand's piece broadcast to it
+    def piece(target: Placement):
+      own = tuple(target.dims[bdims[i]] if eqn.invars[0].aval.shape[i] == shape[bdims[i]]
+                  else () for i in range(len(bdims)))
+      return ev.bind(eqn, [ev.to(x, Placement(own))], shape=ev.local_shape(shape, target))[0]
+    local.slicer = piece
+  return [local]
+
+
+def _iota(ev, eqn, ins):
+  """Every device computes the whole iota; a piece of it is its own iota plus the piece's
+  offset along the counting dimension."""
+  (out,) = _replicated_rule(ev, eqn, ins)
+  p = eqn.params
+  d = p["dimension"]
+
+  def piece(place: Placement):
+    local = ev.local_shape(p["shape"], place)
+    value = ev.bind(eqn, [], shape=local)[0]
+    axes = place.dims[d]
+    if not axes:
+      return value
+    return value + (ev.index(axes) * local[d]).astype(value.dtype)
+  out.slicer = piece
+  return [out]
+
+
+def _random_bits(ev, eqn, ins):
+  """Random bits as ``jax.jit`` draws them: with ``jax_threefry_partitionable`` (the
+  default) bit i of a threefry key's draw hashes the key with i's position in the whole
+  array, so a device draws its own block alone (``threefry2x32`` of its positions, as
+  jax's own ``_threefry_random_bits_partitionable`` computes the whole); otherwise, or for
+  another generator, every device draws the whole array."""
+  (out,) = _replicated_rule(ev, eqn, ins)
+  (key,) = ins
+  shape, width = tuple(eqn.params["shape"]), eqn.params["bit_width"]
+  if compat.threefry_partitionable(eqn) and width in (8, 16, 32) and \
+      key.place.ndim == 0 and math.prod(shape) < 2 ** 32 and \
+      str(jax.random.key_impl(key.value)) == "threefry2x32":
+    out.slicer = lambda place: _threefry_block(ev, key.value, shape, width, place)
+  return [out]
+
+
+def _threefry_block(ev, key, shape, width, place: Placement):
+  """This device's block of ``random_bits(key, width, shape)`` under ``place``."""
+  local = ev.local_shape(shape, place)
+  strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+  count = jnp.zeros(local, jnp.uint32)
+  for d, n in enumerate(local):
+    position = lax.broadcasted_iota(jnp.uint32, local, d)
+    if place.dims[d]:
+      position = position + (ev.index(place.dims[d]) * n).astype(jnp.uint32)
+    count = count + position * np.uint32(strides[d])
+  k1, k2 = jax.random.key_data(key)
+  bits1, bits2 = threefry2x32_p.bind(k1, k2, jnp.zeros(local, jnp.uint32), count)
+  bits = bits1 ^ bits2
+  return bits if width == 32 else bits.astype({8: jnp.uint8, 16: jnp.uint16}[width])
 
 
 def _reshape(ev, eqn, ins):
@@ -633,8 +730,11 @@ def laid_out_as_asked(ev, eqn, outs: list) -> list:
 
 
 def _identity(ev, eqn, ins):
+  """An equation whose outputs are its inputs (a name for a remat policy, a barrier, a
+  placement on a device): each output the same value as its input, split as it is (a
+  partial sum stays one, the same one: :mod:`partials`)."""
   outs = ev.bind(eqn, [x.value for x in ins])
-  return [Local(o, x.place) for o, x in zip(outs, ins)]
+  return [Local(o, x.place, origin=x.origin, key=x.key) for o, x in zip(outs, ins)]
 
 
 # ---- higher-order ----
@@ -645,6 +745,28 @@ def _inline(key: str):
     return ev.run_jaxpr(jaxpr, [Local(c, replicated(jnp.ndim(c))) for c in consts], ins,
                         inline=True)
   return rule
+
+
+def _jit(ev, eqn, ins):
+  """A nested jitted function, run inline; the shardings it declares (``in_shardings``,
+  ``out_shardings``: NamedShardings) place its inputs and outputs, as they constrain them
+  under ``jax.jit``."""
+  p = eqn.params
+  ins = [_constrained(ev, x, s, v) for x, s, v in zip(ins, p.get("in_shardings", ()), eqn.invars)]
+  outs = _inline("jaxpr")(ev, eqn, ins)
+  return [_constrained(ev, x, s, v) for x, s, v in zip(outs, p.get("out_shardings", ()),
+                                                       eqn.outvars)]
+
+
+def _constrained(ev, x: Local, sharding, var) -> Local:
+  """``x`` moved where a declared NamedSharding puts it (over the manual axes; where it
+  splits the value evenly); as it is for any other sharding (unspecified)."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return x
+  target = from_spec(sharding.spec, x.place.ndim, ev.manual)
+  if target == x.place or not ev.splits(var.aval.shape, target):
+    return x
+  return Local(ev.to(x, target), target)
 
 
 def join(a: Placement, b: Placement, partial: frozenset) -> Placement:
@@ -662,15 +784,24 @@ def join_branches(a: Placement, b: Placement) -> Placement:
 
 
 def join_carry(init: Placement, out: Placement) -> Placement:
-  """A loop carry: partial over the axes the body leaves it partial (an accumulator of
-  sums is reduced once, after the loop); a partial initial value the body makes whole is
-  reduced before the loop, not in every iteration."""
-  return init if init == out else join(init, out, out.partial)
+  """A loop carry: split as the body leaves it where the initial value is whole or split
+  alike (a whole value is sliced to any split for free), and partial over the axes the body
+  leaves it partial (an accumulator of sums is reduced once, after the loop); a partial
+  initial value the body makes whole is reduced before the loop, not in every iteration."""
+  if init == out:
+    return init
+  dims = tuple(o if not i or i == o else () for i, o in zip(init.dims, out.dims))
+  split = {a for axes in dims for a in axes}
+  return Placement(dims, out.partial - split)
 
 
 def abstract_places(ev, jaxpr, consts, places) -> list[Placement]:
   """The placements a jaxpr's outputs get from inputs placed as ``places``: the jaxpr run
-  abstractly (``jax.eval_shape``) by an evaluator of its own; nothing is recorded."""
+  abstractly (``jax.eval_shape``) by an evaluator of its own, with lax collectives; nothing
+  is recorded. Each (jaxpr, placements) is run once per program (``ev.known``)."""
+  key = (id(jaxpr), tuple(places))
+  if key in ev.known:
+    return ev.known[key][1]
   found = {}
 
   def run(*values):
@@ -683,19 +814,21 @@ def abstract_places(ev, jaxpr, consts, places) -> list[Placement]:
   with record_paused():
     jax.eval_shape(run, *[jax.ShapeDtypeStruct(ev.local_shape(v.aval.shape, p), v.aval.dtype)
                           for v, p in zip(jaxpr.invars, places)])
+  ev.known[key] = (jaxpr, found["places"])   # the jaxpr kept: its id stays its own
   return found["places"]
 
 
-def _fixed_carry(ev, places_of, carry: list[Placement], rounds: int = 6):
+def _fixed_carry(places_of, carry: list[Placement], rounds: int = 6):
   """Carry placements that a loop body maps to themselves (joined until stable; whole if
-  they never settle)."""
+  they never settle), and the body's output placements for them."""
   for _ in range(rounds):
     out = places_of(carry)
     joined = [join_carry(c, o) for c, o in zip(carry, out)]
     if joined == carry:
-      return carry
+      return carry, out
     carry = joined
-  return [replicated(c.ndim) for c in carry]
+  carry = [replicated(c.ndim) for c in carry]
+  return carry, places_of(carry)
 
 
 def _run_body(ev, jaxpr, consts, args: list[Local], targets: list[Placement]) -> list:
@@ -722,9 +855,10 @@ def _scan(ev, eqn, ins):
   xs_values = [ev.to(x, t) for x, t in zip(xs, xs_places)]
   elem = [Placement(t.dims[1:], t.partial) for t in xs_places]
   cplaces = [c.place for c in consts]
-  carry = _fixed_carry(ev, lambda cs: abstract_places(
-      ev, body, body_consts, cplaces + cs + elem)[:ncarry], [x.place for x in init])
-  ys = abstract_places(ev, body, body_consts, cplaces + carry + elem)[ncarry:]
+  carry, outs = _fixed_carry(lambda cs: abstract_places(ev, body, body_consts,
+                                                        cplaces + cs + elem),
+                             [x.place for x in init])
+  ys = outs[ncarry:]
   init_values = [ev.to(x, t) for x, t in zip(init, carry)]
   const_values = [c.value for c in consts]
 
@@ -749,8 +883,8 @@ def _while(ev, eqn, ins):
   cc, bc, init = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
   bc = _summed(ev, bc)
   bplaces = [c.place for c in bc]
-  carry = _fixed_carry(ev, lambda cs: abstract_places(ev, body, body_consts, bplaces + cs),
-                       [x.place for x in init])
+  carry, _ = _fixed_carry(lambda cs: abstract_places(ev, body, body_consts, bplaces + cs),
+                          [x.place for x in init])
   cc_values = [ev.to(c, replicated(c.place.ndim)) for c in cc]
   bc_values = [c.value for c in bc]
 
@@ -831,13 +965,13 @@ RULES.update({
     "top_k": _whole_along(lambda e: [len(e.invars[0].aval.shape) - 1], linear=False),
     "gather": _gather, "scatter-add": _scatter_add, "scatter_add": _scatter_add,
     "sharding_constraint": _to_named, "reshard": _to_named, "mesh_cast": _to_named,
-    "device_put": _identity, "optimization_barrier": _identity,
-    "iota": _replicated_rule, "random_seed": _replicated_rule, "random_bits": _replicated_rule,
+    "device_put": _identity, "optimization_barrier": _identity, "name": _identity,
+    "iota": _iota, "random_seed": _replicated_rule, "random_bits": _random_bits,
     "random_split": _replicated_rule, "random_fold_in": _replicated_rule,
     "random_wrap": _replicated_rule, "random_unwrap": _replicated_rule,
     "threefry2x32": _replicated_rule, "rng_bit_generator": _replicated_rule,
     "rng_uniform": _replicated_rule,
-    "pjit": _inline("jaxpr"), "jit": _inline("jaxpr"), "closed_call": _inline("call_jaxpr"),
+    "pjit": _jit, "jit": _jit, "closed_call": _inline("call_jaxpr"),
     "core_call": _inline("call_jaxpr"), "checkpoint": _inline("jaxpr"),
     "remat2": _inline("jaxpr"), "custom_jvp_call": _inline("call_jaxpr"),
     "custom_vjp_call": _inline("call_jaxpr"), "custom_vjp_call_jaxpr": _inline("fun_jaxpr"),

@@ -27,10 +27,13 @@ class StepReport:
   """What a step's communication runs as.
 
   ``lines``: :class:`ReportLine` s in trace order; ``compiled``: how many instructions of
-  each collective kind (``HLO_COLLECTIVES``) the compiled step holds."""
+  each collective kind (``HLO_COLLECTIVES``) the compiled step holds; ``flops``: the
+  compiled step's floating-point operations per device (XLA's cost analysis; None where
+  the backend gives none)."""
 
   lines: tuple[ReportLine, ...]
   compiled: dict
+  flops: float | None = None
 
   @property
   def collectives(self) -> tuple[ReportLine, ...]:
@@ -58,7 +61,8 @@ class StepReport:
              format_size(x.nbytes) if x.kind == ReportLine.COLLECTIVE else "-",
              x.algorithm or "-", x.equation, x.where, x.detail) for x in self.lines]
     counts = ", ".join(f"{n} {k}" for k, n in self.compiled.items() if n) or "none"
-    return Table.of(f"compiled step's collectives: {counts}",
+    flops = "" if self.flops is None else f"; {self.flops:.4g} flops per device"
+    return Table.of(f"compiled step's collectives: {counts}{flops}",
                     ("kind", "what", "axes", "bytes", "algorithm", "for", "at", "detail"),
                     rows)
 
@@ -84,8 +88,8 @@ def explain_step(step, *args, **kwargs) -> StepReport:
 
   Returns:
     A :class:`StepReport`: a line per jaxcoll collective (algorithm, bytes, the equation and
-    source line that needed it), per equation run whole, per thing left to XLA; and the
-    compiled HLO's collective instructions by kind.
+    source line that needed it), per equation run whole, per thing left to XLA; the
+    compiled HLO's collective instructions by kind, and its flops per device.
 
   Raises:
     TypeError: ``step`` was not made by ``jaxcoll.use``.
@@ -106,4 +110,17 @@ def explain_step(step, *args, **kwargs) -> StepReport:
                     "(e.g. jaxcoll.use(train_step, algorithm='ring'))")
   with recording() as lines:
     lowered = step.lower(*args, **kwargs)
-  return StepReport(tuple(lines), count_collectives(lowered.compile().as_text()))
+  compiled = lowered.compile()
+  return StepReport(tuple(lines), count_collectives(compiled.as_text()), flops_of(compiled))
+
+
+def flops_of(compiled) -> float | None:
+  """A compiled program's floating-point operations per device (None where unknown)."""
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:   # noqa: BLE001 (backends without a cost model raise their own kinds)
+    return None
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  flops = (cost or {}).get("flops")
+  return None if flops is None else float(flops)
