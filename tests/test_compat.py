@@ -106,3 +106,17 @@ def test_shard_map_reads_out_specs_after_tracing_its_body():
   np.testing.assert_array_equal(total, np.arange(8.0).reshape(4, 2).sum(0))
   assert split.sharding.spec == P("x") and total.sharding.is_fully_replicated
   assert len(traces) == 1
+
+
+@pytest.mark.parametrize("partitionable", [True, False])
+def test_an_equations_threefry_mode_is_read_on_both_versions(partitionable):
+  """jax 0.12.1 moved ``eqn.ctx``'s settings into a tuple; both layouts read alike, and
+  ``equation_config`` traces random bits as the equation was traced."""
+  with jax.threefry_partitionable(partitionable):
+    jaxpr = jax.make_jaxpr(lambda k: jax.random.bits(k, (4, 8)))(jax.random.key(0))
+    want = jax.random.bits(jax.random.key(0), (4, 8))
+  eqn = jaxpr.jaxpr.eqns[-1]
+  assert compat.threefry_partitionable(eqn) is partitionable
+  with jax.threefry_partitionable(not partitionable), compat.equation_config(eqn):
+    got = jax.random.bits(jax.random.key(0), (4, 8))
+  assert (got == want).all()

@@ -241,17 +241,27 @@ def _frame(frame, library: str | None = None) -> str:
   return f"{path}:{frame.start_line}:{frame.start_column} ({frame.function_name})"
 
 
+def _eqn_setting(eqn, name: str):
+  """The value of config ``jax_<name>`` ``eqn`` was traced with: an attribute of
+  ``eqn.ctx`` up to jax 0.12.0, a tuple ``eqn.ctx.configs`` beside
+  ``config.jaxpr_eqn_ctx_names()`` from 0.12.1."""
+  if hasattr(eqn.ctx, name):
+    return getattr(eqn.ctx, name)
+  from jax._src import config as jax_config
+  return dict(zip(jax_config.jaxpr_eqn_ctx_names(), eqn.ctx.configs))[f"jax_{name}"]
+
+
 def threefry_partitionable(eqn) -> bool:
   """Whether ``eqn`` was traced with ``jax_threefry_partitionable`` (its random bits are a
   hash of each element's position, drawn piece by piece alike)."""
-  return bool(eqn.ctx.threefry_partitionable)
+  return bool(_eqn_setting(eqn, "threefry_partitionable"))
 
 
 def equation_config(eqn):
   """A context that traces as ``eqn`` was traced, except for the mesh: the threefry mode
   (random bits differ by it), which ``eqn.ctx.manager`` also sets along with the equation's
   own abstract mesh, wrong inside a shard_map that runs it per device."""
-  return jax.threefry_partitionable(eqn.ctx.threefry_partitionable)
+  return jax.threefry_partitionable(threefry_partitionable(eqn))
 
 
 def shard_map_specs_after(body, *, mesh, in_specs, axis_names=None):
