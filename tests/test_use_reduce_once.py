@@ -104,11 +104,11 @@ def test_adam_on_an_int8_wire_rounds_each_gradient_once(layout):
 # ---- bytes: each gradient and the loss once ----
 
 def _sums_by_axes(report) -> dict:
-  """Elements each set of axes reduces (all_reduce and reduce_scatter lines)."""
+  """Bytes each set of axes reduces in one call (all_reduce and reduce_scatter lines)."""
   out: dict = {}
   for line in report.collectives:
     if line.what in ("all_reduce", "reduce_scatter"):
-      out[line.axes] = out.get(line.axes, 0) + line.nbytes
+      out[line.axes] = out.get(line.axes, 0) + line.nbytes * line.count
   return out
 
 
@@ -170,9 +170,25 @@ def _consumers(s, linear, nonlinear):
 
 def program(linear, nonlinear, where):
   """``s = x.sum(0)`` of a batch split over "data": a partial sum of D values. At top
-  level, in each step of a ``lax.scan`` over stacked batches, or accumulated in its carry."""
+  level, in each step of a ``lax.scan`` over stacked batches, accumulated in a scan's or a
+  ``while_loop``'s carry (reduced once, after the loop), added to a carry the body reads
+  nonlinearly (reduced in each step), read inside ``jax.checkpoint``, or in both branches
+  of a ``lax.cond``."""
   def top(x):
     return _consumers(x.sum(0), linear, nonlinear)
+
+  def remat(x):
+    return jax.checkpoint(lambda s: _consumers(s, linear, nonlinear))(x.sum(0))
+
+  def branches(x):
+    s = x.sum(0)
+    return jax.lax.cond(x.shape[0] > 1, lambda s: _consumers(s, linear, nonlinear),
+                        lambda s: _consumers(2 * s, linear, nonlinear), s)
+
+  def looped(xs):
+    _, total = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] + xs[c[0]].sum(0)),
+                                  (0, jnp.zeros(D)))
+    return _consumers(total, linear, nonlinear)
 
   def scanned(xs):
     return jax.lax.scan(lambda c, x: (c, _consumers(x.sum(0), linear, nonlinear)), 0.0, xs)[1]
@@ -180,7 +196,12 @@ def program(linear, nonlinear, where):
   def carried(xs):
     total = jax.lax.scan(lambda c, x: (c + x.sum(0), None), jnp.zeros(D), xs)[0]
     return _consumers(total, linear, nonlinear)
-  return {"top": top, "scan": scanned, "carry": carried}[where]
+
+  def residual(xs):   # a carry the body reads nonlinearly: each step's sum reduced in it
+    total = jax.lax.scan(lambda c, x: (jnp.tanh(c) + x.sum(0), None), jnp.zeros(D), xs)[0]
+    return _consumers(total, linear, nonlinear)
+  return {"top": top, "scan": scanned, "carry": carried, "remat": remat, "cond": branches,
+          "while": looped, "residual": residual}[where]
 
 
 def _magnitudes(name: str, value) -> np.ndarray:
@@ -201,17 +222,20 @@ def _magnitudes(name: str, value) -> np.ndarray:
 
 @given(linear=st.lists(st.sampled_from(sorted(LINEAR)), max_size=3),
        nonlinear=st.lists(st.sampled_from(sorted(NONLINEAR)), max_size=3),
-       where=st.sampled_from(["top", "scan", "carry"]),
+       where=st.sampled_from(["top", "scan", "carry", "remat", "cond", "while", "residual"]),
        wire=st.sampled_from([None, "int8"]))
 def test_a_partial_value_is_reduced_once_whatever_reads_it(linear, nonlinear, where, wire):
-  """Elements reduced: s's D once (a lone linear reader's own value where it is the only
-  one needed; a scan's lone linear output stacked over its 3 steps, reduced after the loop).
+  """Elements reduced in one call: s's D once per source. A scan's 3 steps and a residual
+  carry's 3 steps each reduce their own; an accumulator's 3 terms are reduced once, after
+  the loop; a lone linear reader's own value is reduced where it is the only one needed
+  (stacked after a scan), except in a cond, whose operands enter it whole, and after a
+  residual loop, whose carry leaves it whole.
   On an int8 wire every consumer reads the same rounded s: |s| recovered from each agrees
   to float32 rounding (two roundings of s differ by int8's step, ~1/126 of the block)."""
   if not linear and not nonlinear:
     nonlinear = ["square"]
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-  shape = (64, D) if where == "top" else (3, 64, D)
+  shape = (64, D) if where in ("top", "remat", "cond") else (3, 64, D)
   x = jax.random.normal(jax.random.key(len(linear) * 7 + len(nonlinear)), shape) / 32
   x = jax.device_put(x, NamedSharding(mesh, P(*([None] * (len(shape) - 2)), "data")))
   fn = program(linear, nonlinear, where)
@@ -220,13 +244,14 @@ def test_a_partial_value_is_reduced_once_whatever_reads_it(linear, nonlinear, wh
     got, want = used(x), jax.jit(fn)(x)
     report = jaxcoll.explain_step(used, x)
   names = linear + nonlinear
-  size = D
-  if len(names) == 1 and linear:
+  steps = 3 if where in ("scan", "residual") else 1   # a source in each of 3 steps
+  size = D * steps
+  if len(names) == 1 and linear and where not in ("cond", "residual"):   # whole before
     size = int(np.prod(jax.eval_shape(LINEAR[linear[0]], jax.ShapeDtypeStruct((D,), jnp.float32))
-                       .shape)) * (3 if where == "scan" else 1)
+                       .shape)) * steps
   assert _sums_by_axes(report) == {("data",): 4 * size}, report
   if wire is None:
-    assert_close_after_sums(got, want, terms=64 * (1 if where == "top" else 3))
+    assert_close_after_sums(got, want, terms=64 * (1 if len(shape) == 2 else 3))
     return
   steps = [got] if where != "scan" else [[g[i] for g in got] for i in range(3)]
   for values in steps:

@@ -27,7 +27,9 @@ class Line:
   ``kind``: "jaxcoll" (a jaxcoll collective; ``algorithm`` says how it runs, "native" being
   the lax collective), "whole" (an equation run on whole inputs) or "xla" (left to XLA).
   ``what``: the collective or primitive; ``equation`` and ``where``: the user's equation
-  that needed it and its source line; ``detail``: the operand, or the reason."""
+  that needed it and its source line; ``detail``: the operand, or the reason; ``count``:
+  how many times one call runs it (the trip counts of the ``scan`` s around it; a
+  ``while`` body's, whose count is not known when traced, once)."""
 
   COLLECTIVE: ClassVar[str] = "jaxcoll"
   WHOLE: ClassVar[str] = "whole"
@@ -41,10 +43,12 @@ class Line:
   equation: str = "-"
   where: str = "-"
   detail: str = ""
+  count: int = 1
 
   def __str__(self) -> str:
     over = f" over {','.join(self.axes)}" if self.axes else ""
-    how = f" ({self.algorithm}, {self.nbytes} B)" if self.kind == Line.COLLECTIVE else ""
+    runs = f" x{self.count}" if self.count > 1 else ""
+    how = f" ({self.algorithm}, {self.nbytes} B{runs})" if self.kind == Line.COLLECTIVE else ""
     return (f"{self.kind}: {self.what}{over}{how} for {self.equation} at {self.where}"
             + (f": {self.detail}" if self.detail else ""))
 
@@ -85,6 +89,19 @@ def at(primitive: str, where: str):
     _equation.reset(token)
 
 
+_repeats: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_repeats", default=1)
+
+
+@contextlib.contextmanager
+def repeated(times: int):
+  """Lines added inside run ``times`` times a call (a ``scan`` body of that length)."""
+  token = _repeats.set(_repeats.get() * int(times))
+  try:
+    yield
+  finally:
+    _repeats.reset(token)
+
+
 _in_use: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_in_use", default=False)
 
 
@@ -112,7 +129,7 @@ def collective(primitive: str, axes, nbytes: int, algorithm: str, operand: str) 
   ``algorithm``."""
   equation, where = _equation.get()
   _add(Line(Line.COLLECTIVE, primitive, tuple(axes), int(nbytes), algorithm, equation, where,
-            operand))
+            operand, _repeats.get()))
 
 
 def note(kind: str, what: str, detail: str, axes=()) -> None:

@@ -85,12 +85,16 @@ def _sources(ancestors: Mapping, covered: Mapping) -> set:
   return {k for k, y in ancestors.items() if y.origin is None and k not in covered}
 
 
-def shares_source(values: Sequence[Local], covered: Mapping) -> bool:
-  """Whether two of ``values`` (partial sums a loop or branch body hands out, each to be
-  reduced apart after it) hold terms of one source: the body then reduces them itself."""
+def reduced_apart(values: Sequence[Local], covered: Mapping) -> bool:
+  """Whether partial sums a loop or branch body hands out (each to be reduced after it,
+  apart) would cross the wire twice: two of them hold terms of one source, or one holds
+  terms the body already reduced (in a call inside it). The body then makes them whole."""
   seen: set = set()
   for x in values:
-    s = _sources(_ancestors(x, covered), covered)
+    found = _ancestors(x, covered)
+    if any(k in covered for k in found):
+      return True
+    s = _sources(found, covered)
     if seen & s:
       return True
     seen |= s
@@ -143,3 +147,41 @@ def choose(members: Sequence[Local], covered: Mapping) -> list[Local]:
         for k in sources[i]:
           chosen[k] = ancestry[i][k]
   return list(chosen.values())
+
+
+_ADDS = frozenset({"add", "add_any", "sub", "neg"})
+_PASSES = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
+
+
+def accumulators(jaxpr, carries: Sequence[int], outs: Sequence[int]) -> frozenset[int]:
+  """The loop carries a body only adds to: carry ``carries[i]`` (an input position of
+  ``jaxpr``) whose every use, through adds, subtractions and casts, ends in carry output
+  ``outs[i]`` and nowhere else (``acc + g``, a gradient accumulator). Such a carry may join
+  the partial sums added to it and stay partial through the loop, reduced once after it;
+  a carry the body reads otherwise (a residual stream a norm reads) may not. Returns
+  positions ``i``."""
+  uses: dict = {}
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      if not hasattr(v, "val"):
+        uses.setdefault(v, []).append(eqn)
+  found = set()
+  for i, (c, o) in enumerate(zip(carries, outs)):
+    start, target = jaxpr.invars[c], jaxpr.outvars[o]
+    if hasattr(target, "val"):
+      continue
+    todo, seen, ok = [start], set(), True
+    while todo and ok:
+      v = todo.pop()
+      if v in seen:
+        continue
+      seen.add(v)
+      hits = [j for j, w in enumerate(jaxpr.outvars) if w is v]
+      ok = all(j == o for j in hits) and (v is not target or len(hits) == 1)
+      for eqn in uses.get(v, ()):
+        name = eqn.primitive.name
+        ok = ok and name in _ADDS | _PASSES
+        todo.extend(eqn.outvars)
+    if ok and target in seen:
+      found.add(i)
+  return frozenset(found)

@@ -93,7 +93,10 @@ class Local:
   ``slicer``: for a value computed whole that can be computed piece by piece (random bits,
   an iota, a broadcast, elementwise functions of those), ``slicer(placement)`` makes this
   device's piece under a finer split directly, so that a value every device would compute
-  whole (and XLA then drops) is drawn or computed only where it is needed."""
+  whole (and XLA then drops) is drawn or computed only where it is needed. ``carried``: a
+  loop carry the body only adds to (:func:`partials.accumulators`), as the body reads it:
+  a sum added to it keeps it a sum, reduced once after the loop instead of once per
+  iteration, and no flush of other sums reduces it."""
 
   value: object
   place: Placement
@@ -101,10 +104,12 @@ class Local:
   origin: object = None
   key: int = dataclasses.field(default_factory=lambda: next(_keys))
   slicer: object = None
+  carried: bool = False
 
   def bound_to(self, var) -> Local:
-    """The same value (key, origin, slicer) bound to ``var``."""
-    return Local(self.value, self.place, var, self.origin, self.key, self.slicer)
+    """The same value (key, origin, slicer, carried) bound to ``var``."""
+    return Local(self.value, self.place, var, self.origin, self.key, self.slicer,
+                 self.carried)
 
   def finer(self, place: Placement) -> bool:
     """Whether ``place`` splits this value further, nothing partial on either side (each

@@ -55,6 +55,7 @@ from jaxcoll.extend import (
   record_at,
   record_in_use,
   record_note,
+  record_repeated,
   wire_format,
 )
 
@@ -282,8 +283,9 @@ def _scan(opts, eqn, invals):
     out = body(*c, *carry_in, *x)
     return tuple(out[:carry]), tuple(out[carry:])
 
-  carry_out, ys = lax.scan(step, tuple(init), tuple(xs), length=p["length"],
-                           reverse=p["reverse"], unroll=p["unroll"])
+  with record_repeated(p["length"]):
+    carry_out, ys = lax.scan(step, tuple(init), tuple(xs), length=p["length"],
+                             reverse=p["reverse"], unroll=p["unroll"])
   return [*carry_out, *ys]
 
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src import compat
-from jaxcoll._src.integrations.partials import choose, origin_of, shares_source
+from jaxcoll._src.integrations.partials import choose, origin_of, reduced_apart
 from jaxcoll._src.integrations.placement import Local, Placement, from_spec, replicated
 from jaxcoll._src.integrations.redistribute import Comm, redistribute, reduce_many
 from jaxcoll._src.integrations.spmd_rules import (
@@ -126,8 +126,8 @@ class Evaluator:
             self._set(scope, var, out)
       scope.position = len(jaxpr.eqns)
       outs = [self.read(v) for v in jaxpr.outvars]
-      if not inline and shares_source([o for o in outs if o.place.partial], scope.reduced):
-        self.flush(scope)   # a body hands out sums that would cross the wire apart
+      if not inline and reduced_apart([o for o in outs if o.place.partial], scope.reduced):
+        self.flush(scope)   # a body hands out sums that would cross the wire twice
         outs = [self.read(v) for v in jaxpr.outvars]
       if targets is None:
         return outs
@@ -191,8 +191,8 @@ class Evaluator:
     where it is headed: :meth:`headed_for`), together: the values :func:`partials.choose`
     picks reduced in buckets, the others derived from them."""
     live = self._last_use(scope)
-    waiting = [(v, local) for v, local in scope.pending.items()
-               if live.get(v, -1) >= scope.position]
+    waiting = [(v, local) for v, local in scope.pending.items()   # an accumulator only adds
+               if live.get(v, -1) >= scope.position and not local.carried]
     if not waiting:
       return
     self._reduce([local for _, local in waiting])
@@ -266,12 +266,14 @@ class Evaluator:
             continue
           known = self._known_place(scope, other)
           if known is not None and known.ndim == place.ndim and not known.partial:
+            known = Placement(tuple(a if n == m else () for a, n, m in   # lax broadcasts 1s
+                                    zip(known.dims, other.aval.shape, v.aval.shape)))
             target = _within(known, place.partial | place.sharded)
             if target.sharded and all(not place.dims[d] or place.dims[d] == target.dims[d]
                                       for d in range(place.ndim)):
               return target
         if keeps_partial(eqn):
-          frontier += [o for o in eqn.outvars if len(getattr(o.aval, "shape", ())) == place.ndim]
+          frontier += [o for o in eqn.outvars if getattr(o.aval, "shape", ()) == v.aval.shape]
     return place.whole()
 
   def _known_place(self, scope: _Scope, var, depth: int = 8) -> Placement | None:

@@ -46,8 +46,9 @@ from jax.extend.random import threefry2x32_p
 
 from jaxcoll._src import compat
 from jaxcoll._src.collectives import all_reduce
+from jaxcoll._src.integrations.partials import accumulators
 from jaxcoll._src.integrations.placement import Local, Placement, from_spec, replicated
-from jaxcoll.extend import record_paused
+from jaxcoll.extend import record_paused, record_repeated
 
 
 class Refused(ValueError):
@@ -105,8 +106,12 @@ def _partial_kept(eqn, ins: list[Local]) -> frozenset:
     return partials[0]
   if name in _SUMS:
     first = partials[0]
-    same = all(p == first for p in partials) and len(arrays) == len(ins)
-    return first if same else frozenset()
+    if all(p == first for p in partials) and len(arrays) == len(ins):
+      return first
+    summed = {p for p in partials if p}   # a loop accumulator: its carry joins the sum
+    accumulates = len(summed) == 1 and len(arrays) == len(ins) and all(
+        x.place.partial or x.carried for x in ins)
+    return summed.pop() if accumulates else frozenset()
   if name == "mul":
     summed = [p for p in partials if p]
     return summed[0] if len(summed) == 1 else frozenset()
@@ -149,7 +154,8 @@ def _elementwise(ev, eqn, ins):
       values.append(ev.to(x, replicated(x.place.ndim)))
       continue
     own = tuple(a if v.aval.shape[d] == shape[d] else () for d, a in enumerate(dims))
-    values.append(ev.to(x, Placement(own, x.place.partial & keep)))
+    joins = x.carried and not x.place.partial   # a whole carry joins its sum on one device
+    values.append(ev.to(x, Placement(own, keep if joins else x.place.partial & keep)))
   out = Local(ev.bind(eqn, values)[0], Placement(dims, keep))
   if not keep and any(x.slicer is not None for x in ins) and \
       not any(x.place.partial for x in ins):
@@ -795,11 +801,12 @@ def join_carry(init: Placement, out: Placement) -> Placement:
   return Placement(dims, out.partial - split)
 
 
-def abstract_places(ev, jaxpr, consts, places) -> list[Placement]:
+def abstract_places(ev, jaxpr, consts, places, carried=()) -> list[Placement]:
   """The placements a jaxpr's outputs get from inputs placed as ``places``: the jaxpr run
   abstractly (``jax.eval_shape``) by an evaluator of its own, with lax collectives; nothing
-  is recorded. Each (jaxpr, placements) is run once per program (``ev.known``)."""
-  key = (id(jaxpr), tuple(places))
+  is recorded. ``carried``: the positions of a loop's carries. Each (jaxpr, placements) is
+  run once per program (``ev.known``)."""
+  key = (id(jaxpr), tuple(places), tuple(carried))
   if key in ev.known:
     return ev.known[key][1]
   found = {}
@@ -807,7 +814,8 @@ def abstract_places(ev, jaxpr, consts, places) -> list[Placement]:
   def run(*values):
     sub = ev.fresh()
     outs = sub.run_jaxpr(jaxpr, [Local(c, replicated(jnp.ndim(c))) for c in consts],
-                         [Local(v, p) for v, p in zip(values, places)])
+                         [Local(v, p, carried=i in carried)
+                          for i, (v, p) in enumerate(zip(values, places))])
     found["places"] = [o.place for o in outs]
     return [o.value for o in outs]
 
@@ -855,8 +863,9 @@ def _scan(ev, eqn, ins):
   xs_values = [ev.to(x, t) for x, t in zip(xs, xs_places)]
   elem = [Placement(t.dims[1:], t.partial) for t in xs_places]
   cplaces = [c.place for c in consts]
+  carried = [nc + i for i in accumulators(body, range(nc, nc + ncarry), range(ncarry))]
   carry, outs = _fixed_carry(lambda cs: abstract_places(ev, body, body_consts,
-                                                        cplaces + cs + elem),
+                                                        cplaces + cs + elem, carried),
                              [x.place for x in init])
   ys = outs[ncarry:]
   init_values = [ev.to(x, t) for x, t in zip(init, carry)]
@@ -864,13 +873,15 @@ def _scan(ev, eqn, ins):
 
   def step(carry_values, x_values):
     args = ([Local(v, c.place) for v, c in zip(const_values, consts)]
-            + [Local(v, t) for v, t in zip(carry_values, carry)]
+            + [Local(v, t, carried=nc + i in carried)
+               for i, (v, t) in enumerate(zip(carry_values, carry))]
             + [Local(v, t) for v, t in zip(x_values, elem)])
     outs = _run_body(ev, body, body_consts, args, carry + ys)
     return outs[:ncarry], outs[ncarry:]
 
-  carry_out, ys_out = lax.scan(step, init_values, xs_values, length=p["length"],
-                               reverse=p["reverse"], unroll=p["unroll"])
+  with record_repeated(p["length"]):
+    carry_out, ys_out = lax.scan(step, init_values, xs_values, length=p["length"],
+                                 reverse=p["reverse"], unroll=p["unroll"])
   return ([Local(v, t) for v, t in zip(carry_out, carry)]
           + [Local(v, Placement(((),) + t.dims, t.partial)) for v, t in zip(ys_out, ys)])
 
@@ -883,8 +894,12 @@ def _while(ev, eqn, ins):
   cc, bc, init = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
   bc = _summed(ev, bc)
   bplaces = [c.place for c in bc]
-  carry, _ = _fixed_carry(lambda cs: abstract_places(ev, body, body_consts, bplaces + cs),
-                          [x.place for x in init])
+  read = {v for v in [*(w for e in cond.eqns for w in e.invars), *cond.outvars]
+          if not hasattr(v, "val")}
+  carried = [nb + i for i in accumulators(body, range(nb, nb + len(init)), range(len(init)))
+             if cond.invars[nc + i] not in read]
+  carry, _ = _fixed_carry(lambda cs: abstract_places(ev, body, body_consts, bplaces + cs,
+                                                     carried), [x.place for x in init])
   cc_values = [ev.to(c, replicated(c.place.ndim)) for c in cc]
   bc_values = [c.value for c in bc]
 
@@ -895,7 +910,8 @@ def _while(ev, eqn, ins):
 
   def body_fn(values):
     args = ([Local(v, c.place) for v, c in zip(bc_values, bc)]
-            + [Local(v, t) for v, t in zip(values, carry)])
+            + [Local(v, t, carried=nb + i in carried)
+               for i, (v, t) in enumerate(zip(values, carry))])
     return tuple(_run_body(ev, body, body_consts, args, carry))
 
   out = lax.while_loop(cond_fn, body_fn, tuple(ev.to(x, t) for x, t in zip(init, carry)))

@@ -40,6 +40,14 @@ class StepReport:
     """The jaxcoll collectives (``algorithm`` "native" runs the lax collective)."""
     return tuple(x for x in self.lines if x.kind == ReportLine.COLLECTIVE)
 
+  def bytes_by_kind(self) -> dict[str, int]:
+    """Bytes each kind of jaxcoll collective carries in one call of the step (a line's
+    operand bytes times how many times the call runs it)."""
+    out: dict[str, int] = {}
+    for x in self.collectives:
+      out[x.what] = out.get(x.what, 0) + x.nbytes * x.count
+    return out
+
   @property
   def whole(self) -> tuple[ReportLine, ...]:
     """Equations run on whole inputs (no per-device rule for their layouts)."""
@@ -58,7 +66,8 @@ class StepReport:
 
   def table(self) -> Table:
     rows = [(x.kind, x.what, ",".join(x.axes) or "-",
-             format_size(x.nbytes) if x.kind == ReportLine.COLLECTIVE else "-",
+             (format_size(x.nbytes) + (f" x{x.count}" if x.count > 1 else ""))
+             if x.kind == ReportLine.COLLECTIVE else "-",
              x.algorithm or "-", x.equation, x.where, x.detail) for x in self.lines]
     counts = ", ".join(f"{n} {k}" for k, n in self.compiled.items() if n) or "none"
     flops = "" if self.flops is None else f"; {self.flops:.4g} flops per device"
