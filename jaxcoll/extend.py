@@ -21,7 +21,7 @@ names of the lax collective and of auto among the schedules (:data:`NATIVE`,
 :func:`axes_in_mesh`), sizes and times in words (:func:`format_size`,
 :func:`format_seconds`) and a step's report as it is traced (:class:`ReportLine`,
 :func:`recording`, :func:`record_paused`, :func:`record_at`, :func:`record_note`,
-:func:`record_in_use`, :func:`record_repeated`).
+:func:`record_in_use`, :func:`record_repeated`, :func:`record_where`).
 """
 
 from jaxcoll._src.algorithms import NATIVE, SCHEDULE
@@ -49,6 +49,7 @@ from jaxcoll._src.record import note as record_note
 from jaxcoll._src.record import paused as record_paused
 from jaxcoll._src.record import recording
 from jaxcoll._src.record import repeated as record_repeated
+from jaxcoll._src.record import where as record_where
 from jaxcoll._src.replicas import varying
 from jaxcoll._src.replicated import check_vma_enabled, make_varying
 from jaxcoll._src.rounding import check as check_rounding
@@ -91,6 +92,7 @@ __all__ = (
     "record_note",
     "record_paused",
     "record_repeated",
+    "record_where",
     "recording",
     "round_to",
     "varying",

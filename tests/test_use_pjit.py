@@ -282,6 +282,19 @@ def test_the_report_names_the_users_frame_beside_the_librarys():
   assert "test_use_pjit.py" in line.where and ".step) via optax/" in line.where, line
 
 
+def test_a_sum_made_whole_for_an_output_names_the_line_that_made_it():
+  mesh = make_mesh((8,), ("data",))
+  x = put(jnp.ones((64, 8)), mesh, P("data"))
+
+  def step(x):
+    return 2 * x.sum(0)   # a partial sum until the output needs it whole
+
+  with jax.set_mesh(mesh):
+    report = jaxcoll.explain_step(jaxcoll.use(step, algorithm="ring"), x)
+  (line,) = report.collectives
+  assert line.equation == "output" and "test_use_pjit.py" in line.where, line
+
+
 # ---- a gather and scatter-add whose rows pair with the indices' (take_along_axis) ----
 
 def test_integer_label_cross_entropy_stays_per_device():

@@ -124,7 +124,9 @@ def _read(rows, index, plan_: TransferPlan, contiguous: bool):
 
 def _write(rows, index, value, contiguous: bool):
   if contiguous:
-    return lax.dynamic_update_slice(rows, value, (index, 0), allow_negative_indices=False)
+    index = jnp.asarray(index)   # the column start of the index's own type (jax_enable_x64)
+    return lax.dynamic_update_slice(rows, value, (index, jnp.zeros_like(index)),
+                                    allow_negative_indices=False)
   return rows.at[index].set(value, mode="promise_in_bounds")
 
 

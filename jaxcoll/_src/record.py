@@ -89,6 +89,11 @@ def at(primitive: str, where: str):
     _equation.reset(token)
 
 
+def where() -> tuple[str, str]:
+  """The user's equation lines added now are for: ``(primitive, source line)``."""
+  return _equation.get()
+
+
 _repeats: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_repeats", default=1)
 
 

@@ -56,6 +56,7 @@ from jaxcoll.extend import (
   record_in_use,
   record_note,
   record_repeated,
+  record_where,
   wire_format,
 )
 
@@ -104,9 +105,25 @@ class _Options:
     (all_reduce, reduce_scatter) and gathers of data the format compresses. Never a max or
     a min (it selects a value: a rounded maximum matches no device's own, and argmax over a
     split dimension reads that match), nor an all_to_all; the rest travel as they are. The
-    one place ``use`` decides it, for shard_map programs and global ones alike."""
+    one place ``use`` decides it, for shard_map programs and global ones alike.
+
+    Raises:
+      ValueError: a float64 value to compress: a block-scaled or bfloat16 wire encodes in
+        float32, where a float64 value beyond its range has no home (it would arrive inf or
+        NaN); the error names the equation and its source line.
+    """
     wanted = primitive in ("all_reduce", "reduce_scatter", "all_gather") and op == "sum"
-    return {"wire_dtype": self.wire} if wanted and compresses(self.wire, dtype) else {}
+    if not (wanted and compresses(self.wire, dtype)):
+      return {}
+    if jnp.dtype(dtype).itemsize > 4:
+      equation, line = record_where()
+      wire = getattr(self.wire, "name", self.wire)
+      raise ValueError(
+          f"use(wire_dtype={wire!r}): the {primitive} of a {jnp.dtype(dtype)} value "
+          f"({equation} at {line}) would be encoded in float32, where a float64 value "
+          f"has no home beyond float32's range; cast it to float32 in the step, or pass "
+          f"wire_dtype=None")
+    return {"wire_dtype": self.wire}
 
   def vary(self, x, axes: tuple[str, ...]):
     """:func:`varying.vary` with this rewrite's algorithm and wire format for its sum."""

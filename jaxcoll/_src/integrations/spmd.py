@@ -133,7 +133,14 @@ class Evaluator:
         return outs
       if callable(targets):
         targets = targets(outs)
-      return [self.to(o, t) for o, t in zip(outs, targets)]
+      producers = self._producers(scope)
+      moved = []
+      for var, o, t in zip(jaxpr.outvars, outs, targets):   # reported at the maker's line
+        made = None if isinstance(var, jax.extend.core.Literal) else producers.get(var)
+        with record_at("output", made is not None and compat.source_line(made)
+                       or self.where[-1]):
+          moved.append(self.to(o, t))
+      return moved
     finally:
       self.scopes.pop()
 
@@ -171,7 +178,7 @@ class Evaluator:
       return local.value
     if local.place.partial - place.partial:
       waiting = scope.pending.get(local.var)
-      if waiting is not None and waiting.key == local.key:
+      if waiting is not None and waiting.key == local.key and not local.carried:
         self.flush(scope)
       else:
         self._reduce([local], {local.key: place})
