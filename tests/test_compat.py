@@ -120,3 +120,14 @@ def test_an_equations_threefry_mode_is_read_on_both_versions(partitionable):
   with jax.threefry_partitionable(not partitionable), compat.equation_config(eqn):
     got = jax.random.bits(jax.random.key(0), (4, 8))
   assert (got == want).all()
+
+
+def test_a_jitted_functions_static_and_donated_arguments_are_read():
+  def f(x, n, *, k):
+    return x * n * k
+  jitted = jax.jit(f, static_argnames=("n",), donate_argnums=0)
+  static, static_names, donated, _ = compat.jit_arguments(jitted)
+  assert 1 in static and "n" in static_names and donated == {0}
+  assert compat.jit_arguments(f) is None
+  assert compat.jit_arguments(jax.jit(f)) == (frozenset(), frozenset(), frozenset(),
+                                              frozenset())

@@ -19,6 +19,10 @@ that moves one fails there first, loudly, instead of somewhere deep in a collect
 - ``source_line``, ``equation_config``: where an equation came from
   (``jax._src.source_info_util.summarize``) and the threefry mode it was traced under
   (``eqn.ctx``), for ``jaxcoll.use`` running a global program per device.
+- ``jit_arguments``: which arguments a ``jax.jit``-wrapped function takes as static and
+  which it donates (``static_argnums``/``static_argnames``/``donate_argnums``/
+  ``donate_argnames`` of its ``_jit_info``, the same on both versions; no public accessor),
+  so that ``jaxcoll.use(jitted)`` passes Python numbers as jit does.
 - ``boot_ids``: each process's machine, from the topology jax's own backend published in
   that store (``<platform>:local_topology/<platform>/<process>``), for jobs started with
   plain ``jax.distributed.initialize``.
@@ -292,3 +296,13 @@ def scan_counts(params) -> tuple[int, int]:
     return len(consts), len(carry)
   consts, carry, _ = ft.tree.children()
   return consts.num_leaves, carry.num_leaves
+
+
+def jit_arguments(fun) -> tuple[frozenset, frozenset, frozenset, frozenset] | None:
+  """``(static positions, static names, donated positions, donated names)`` of a function
+  ``jax.jit`` wrapped; None for any other callable."""
+  info = getattr(fun, "_jit_info", None)
+  if info is None:
+    return None
+  return (frozenset(info.static_argnums), frozenset(info.static_argnames),
+          frozenset(info.donate_argnums), frozenset(info.donate_argnames))

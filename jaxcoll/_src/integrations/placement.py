@@ -22,6 +22,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll.extend import as_axes
@@ -32,10 +33,14 @@ Axes = tuple[str, ...]
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """``dims[d]``: the axes splitting dimension d (major first); ``partial``: the axes over
-  which the value is a sum of the devices' terms. Every axis at most once."""
+  which the value is a sum of the devices' terms (JAX's ``unreduced``). Every axis at most
+  once. ``reduced``: axes over which a whole value is typed ``reduced`` in JAX's explicit
+  sharding (its data as whole; kept only for the type of an input or output, and not
+  compared)."""
 
   dims: tuple[Axes, ...]
   partial: frozenset = frozenset()
+  reduced: frozenset = dataclasses.field(default=frozenset(), compare=False)
 
   def __post_init__(self):
     used = [a for axes in self.dims for a in axes] + sorted(self.partial)
@@ -60,11 +65,11 @@ class Placement:
     return tuple(n // math.prod(sizes[a] for a in axes) for n, axes in zip(shape, self.dims))
 
   def spec(self) -> P:
-    """The PartitionSpec of the non-partial part (``in_specs``/``out_specs``)."""
+    """The PartitionSpec (``in_specs``/``out_specs``): partial axes as ``unreduced``."""
     entries = [axes[0] if len(axes) == 1 else (axes or None) for axes in self.dims]
     while entries and entries[-1] is None:
       entries.pop()
-    return P(*entries)
+    return P(*entries, unreduced=self.partial, reduced=self.reduced - self.partial)
 
   def whole(self) -> Placement:
     """The same dims, nothing partial (what a sum over the partial axes gives)."""
@@ -96,7 +101,8 @@ class Local:
   whole (and XLA then drops) is drawn or computed only where it is needed. ``carried``: a
   loop carry the body only adds to (:func:`partials.accumulators`), as the body reads it:
   a sum added to it keeps it a sum, reduced once after the loop instead of once per
-  iteration, and no flush of other sums reduces it."""
+  iteration, and no flush of other sums reduces it. ``kept``: where the value falls as an
+  output nothing declares, where that is not whole (:meth:`spmd.Evaluator.kept`)."""
 
   value: object
   place: Placement
@@ -105,11 +111,11 @@ class Local:
   key: int = dataclasses.field(default_factory=lambda: next(_keys))
   slicer: object = None
   carried: bool = False
+  kept: object = None
 
   def bound_to(self, var) -> Local:
-    """The same value (key, origin, slicer, carried) bound to ``var``."""
-    return Local(self.value, self.place, var, self.origin, self.key, self.slicer,
-                 self.carried)
+    """The same value (key, origin, slicer, carried, kept) bound to ``var``."""
+    return dataclasses.replace(self, var=var)
 
   def finer(self, place: Placement) -> bool:
     """Whether ``place`` splits this value further, nothing partial on either side (each
@@ -118,16 +124,38 @@ class Local:
         b[:len(a)] == a for a, b in zip(self.place.dims, place.dims))
 
 
+def explicit(mesh, axes) -> bool:
+  """Whether every one of ``axes`` is Explicit on ``mesh`` (JAX's explicit sharding: a
+  value's type says where it is)."""
+  types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
+  return all(types.get(a) == AxisType.Explicit for a in axes)
+
+
 def replicated(ndim: int) -> Placement:
   return Placement(((),) * ndim)
 
 
+def entries(spec) -> tuple:
+  """A PartitionSpec's per-dimension entries (``spec.partitions``: indexing a spec with an
+  ``unreduced`` or ``reduced`` set is an error in jax)."""
+  return tuple(getattr(spec, "partitions", spec)) if spec is not None else ()
+
+
+def with_leading(spec, axes) -> P:
+  """``spec`` with a new leading dimension split over ``axes`` (one copy per device: a
+  ``reduced`` axis among them is split now); its other unreduced and reduced axes kept."""
+  return P(axes, *entries(spec), unreduced=getattr(spec, "unreduced", frozenset()),
+           reduced=frozenset(getattr(spec, "reduced", ())) - set(as_axes(axes)))
+
+
 def from_spec(spec, ndim: int, manual: Sequence[str]) -> Placement:
   """The placement of a value laid out as ``spec`` (a PartitionSpec), over the ``manual``
-  axes only (the others are left to XLA)."""
-  dims = []
-  for d in range(ndim):
-    entry = spec[d] if spec is not None and d < len(spec) else None
-    axes = as_axes(entry)
-    dims.append(tuple(a for a in axes if a in manual))
-  return Placement(tuple(dims))
+  axes only (the others are left to XLA). An axis in the spec's ``unreduced`` set (JAX's
+  explicit sharding: a sum not yet taken) makes the value partial over it; one in its
+  ``reduced`` set leaves it whole there (a whole value whose gradient is a sum)."""
+  parts = entries(spec)
+  dims = [tuple(a for a in as_axes(parts[d] if d < len(parts) else None) if a in manual)
+          for d in range(ndim)]
+  partial = frozenset(getattr(spec, "unreduced", ()) or ()) & frozenset(manual)
+  reduced = frozenset(getattr(spec, "reduced", ()) or ()) & frozenset(manual)
+  return Placement(tuple(dims), partial, reduced)

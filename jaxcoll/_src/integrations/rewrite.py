@@ -38,7 +38,7 @@ from jaxcoll._src.algorithms import algorithms
 from jaxcoll._src.collectives import all_gather, all_reduce, all_to_all, reduce_scatter, shift
 from jaxcoll._src.config import config
 from jaxcoll._src.integrations import spmd
-from jaxcoll._src.integrations.placement import from_spec
+from jaxcoll._src.integrations.placement import entries, explicit, from_spec, with_leading
 from jaxcoll._src.integrations.varying import stack, vary
 from jaxcoll._src.profile import Profile
 from jaxcoll._src.spec import PRIMITIVES
@@ -240,13 +240,30 @@ def _pvary(opts, invals, params):
   return [opts.vary(x, axes) if opts.casts else x for x in invals]
 
 
+def _untyped(rule: Callable) -> Callable:
+  """A collective over JAX's ``unreduced``/``reduced`` types, rewritten inside a global
+  program run per device (nothing typed there: it is the plain collective); elsewhere left
+  to XLA, its result typed as jax types it."""
+  def wrapped(opts, invals, params):
+    return None if opts.casts else rule(opts, invals, params)
+  return wrapped
+
+
 COLLECTIVES: dict[str, Callable] = {
     "pvary": _pvary,
     "psum": _reduce("sum"), "psum_invariant": _reduce("sum"),
     "pmax": _reduce("max"), "pmin": _reduce("min"),
     "all_gather": _all_gather("varying"), "all_gather_invariant": _all_gather("invarying"),
     "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all, "ppermute": _ppermute,
+    "unreduced_psum": _untyped(_reduce("sum")),
+    "unreduced_reduce_scatter": _untyped(_reduce_scatter),
+    "all_gather_reduced": _untyped(_all_gather("varying")),
 }
+
+# JAX's casts between varying, unreduced and reduced types: no data moves (the names carry a
+# "_p" on jax 0.10). Inside a global program run per device they are the identity.
+CASTS = frozenset({"vary_unreduced_cast", "vary_unreduced_cast_p", "reduced_vary_cast",
+                   "reduced_vary_cast_p", "preduced"})
 
 
 # ---- higher-order primitives, rebuilt with jax's public API around eval_jaxpr ----
@@ -265,11 +282,11 @@ def _shard_map(opts, eqn, invals):
   if not p["check_vma"]:
     names = tuple(p["mesh"].axis_names)
     for i, (x, spec) in enumerate(zip(invals, in_specs)):
-      named = from_spec(spec, len(spec), manual).sharded
+      named = from_spec(spec, len(entries(spec)), manual).used
       missing = tuple(a for a in names if a in manual and a not in named)
       if missing:
-        invals[i] = opts.stack(x, p["mesh"], missing, tuple(spec))
-        in_specs[i], stacked[i] = P(missing, *spec), True
+        invals[i] = opts.stack(x, p["mesh"], missing, entries(spec))
+        in_specs[i], stacked[i] = with_leading(spec, missing), True
 
   def run(*args):
     return tuple(body(*[a[0] if s else a for a, s in zip(args, stacked)]))
@@ -279,11 +296,19 @@ def _shard_map(opts, eqn, invals):
 
 
 def _jit(opts, eqn, invals):
+  """The body rewritten, under a jit with the equation's donations and declared shardings
+  (those that are shardings: a declared output layout is kept, as jit keeps it)."""
   p = eqn.params
   body = _evaluator(opts, p["jaxpr"])
+  declared = lambda ss: [s if isinstance(s, jax.sharding.Sharding) else None  # noqa: E731
+                         for s in ss]
+  ins, outs = declared(p["in_shardings"]), declared(p["out_shardings"])
 
   def fn(*args):
-    return tuple(body(*args))
+    args = [a if s is None else jax.lax.with_sharding_constraint(a, s)
+            for a, s in zip(args, ins)]
+    return tuple(o if s is None else jax.lax.with_sharding_constraint(o, s)
+                 for o, s in zip(body(*args), outs))
 
   fn.__name__ = p.get("name", "jit")
   donate = tuple(i for i, d in enumerate(p.get("donated_invars", ())) if d)
@@ -404,7 +429,9 @@ def eval_jaxpr(opts: _Options, jaxpr, consts, args) -> list:
     name = eqn.primitive.name
     out = None
     with eqn.ctx.manager:
-      if name in COLLECTIVES:
+      if name in CASTS and not opts.casts:
+        out = invals
+      elif name in COLLECTIVES:
         with record_at(name, compat.source_line(eqn)):
           out = COLLECTIVES[name](opts, invals, eqn.params)
           if out is None and name != "pvary":
@@ -437,15 +464,14 @@ def rewrite(fun: Callable, opts: _Options) -> Callable:
   def split(args, kwargs):
     """The argument leaves, their tree, the positions of the arrays among them, the layouts
     (:func:`_laid_out`) and the cache key."""
-    flat, in_tree = jax.tree.flatten((args, kwargs))
-    dynamic = [i for i, x in enumerate(flat) if _is_array(x)]
+    flat, in_tree, dynamic, donated = _arguments(fun, args, kwargs)
     arrays = [flat[i] for i in dynamic]
     layouts = _laid_out(arrays) if opts.in_shardings is None and opts.axes != () else None
-    key = (in_tree, layouts, tuple((jnp.shape(x), jnp.result_type(x)) if _is_array(x) else
-                                   _static_key(x) for x in flat))
-    return flat, in_tree, dynamic, layouts, key
+    key = (in_tree, layouts, tuple(_type_key(x) if i in dynamic else _static_key(x)
+                                   for i, x in enumerate(flat)))
+    return flat, in_tree, dynamic, donated, layouts, key
 
-  def jitted(flat, in_tree, dynamic, layouts):
+  def jitted(flat, in_tree, dynamic, donated, layouts):
     given = copy.copy(opts)
     given.in_flat = None if layouts is None else list(layouts)
     traced = _traced(fun, given)
@@ -457,20 +483,20 @@ def rewrite(fun: Callable, opts: _Options) -> Callable:
         full[i] = x
       a, k = jax.tree.unflatten(in_tree, full)
       return traced(*a, **k)
-    return jax.jit(call)
+    return jax.jit(call, donate_argnums=tuple(k for k, i in enumerate(dynamic) if i in donated))
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    flat, in_tree, dynamic, layouts, key = split(args, kwargs)
+    flat, in_tree, dynamic, donated, layouts, key = split(args, kwargs)
     if layouts is None:
       return _traced(fun, opts)(*args, **kwargs)
     if key not in compiled:
-      compiled[key] = jitted(flat, in_tree, dynamic, layouts)
+      compiled[key] = jitted(flat, in_tree, dynamic, donated, layouts)
     return compiled[key](*[flat[i] for i in dynamic])
 
   def lower(*args, **kwargs):
-    flat, in_tree, dynamic, layouts, _ = split(args, kwargs)
-    return jitted(flat, in_tree, dynamic, layouts).lower(*[flat[i] for i in dynamic])
+    flat, in_tree, dynamic, donated, layouts, _ = split(args, kwargs)
+    return jitted(flat, in_tree, dynamic, donated, layouts).lower(*[flat[i] for i in dynamic])
 
   wrapped.lower = lower
   wrapped._jaxcoll_use = True   # for jaxcoll.explain_step
@@ -481,8 +507,7 @@ def _traced(fun: Callable, opts: _Options) -> Callable:
   """``fun`` traced to a jaxpr on the caller's values and evaluated: a global program per
   device (:mod:`spmd`), anything else with the rewrite rules."""
   def run(*args, **kwargs):
-    flat, in_tree = jax.tree.flatten((args, kwargs))
-    dynamic = [i for i, x in enumerate(flat) if _is_array(x)]
+    flat, in_tree, dynamic, _ = _arguments(fun, args, kwargs)
     leaves = [flat[i] for i in dynamic]
 
     def flat_fun(*values):   # leaves that are no array pass as they are (jit's static args)
@@ -506,11 +531,38 @@ def _traced(fun: Callable, opts: _Options) -> Callable:
   return run
 
 
-def _is_array(x) -> bool:
-  """Whether an argument leaf is traced (an array or a tracer); any other leaf (a Python
-  number, a function, a config field) is passed to the function as it is, as ``jax.jit``
-  passes its static arguments."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
+def _arguments(fun, args, kwargs) -> tuple[list, object, list[int], set[int]]:
+  """``(leaves, tree, dynamic, donated)``: the argument leaves of ``(args, kwargs)``, the
+  positions of those traced (``dynamic``) and of those donated.
+
+  Traced: arrays and tracers; for a function ``jax.jit`` wrapped, also Python numbers
+  outside its static arguments (weakly typed, as jit traces them: a new learning rate is
+  no new program), and its donated arguments are donated. Any other leaf (a function, a
+  config field, a Python number given to a plain function) passes to the function as it
+  is, as jit passes its static arguments."""
+  flat, tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
+  jitted = compat.jit_arguments(fun)
+  static, static_names, donate, donate_names = jitted or ((),) * 4
+
+  def where(path):   # ("pos", index) or ("name", keyword) of the argument a leaf is in
+    top, arg = path[0].idx, path[1]
+    return ("pos", arg.idx) if top == 0 else ("name", arg.key)
+
+  dynamic, donated = [], set()
+  for i, (path, x) in enumerate(flat):
+    kind, arg = where(path)
+    is_static = arg in (static if kind == "pos" else static_names)
+    if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer)) or (
+        jitted is not None and not is_static and isinstance(x, (bool, int, float, complex))):
+      dynamic.append(i)
+      if arg in (donate if kind == "pos" else donate_names):
+        donated.add(i)
+  return [x for _, x in flat], tree, dynamic, donated
+
+
+def _type_key(x):
+  """What a traced argument's program depends on: its shape, dtype and weak type."""
+  return jnp.shape(x), jnp.result_type(x), jax.typeof(x).weak_type
 
 
 def _static_key(x):
@@ -563,7 +615,8 @@ def _global_program(opts: _Options, closed, flat, in_tree, dynamic, out_tree):
       record_note(ReportLine.XLA, "partitioner", "inputs split over mesh axes use(axes=...) does "
                   "not take: XLA's partitioner communicates over them", left)
   places = spmd.input_places(flat, manual, given_in)
-  given_out = _flat_shardings(opts.out_shardings, out_tree, "out_shardings") or jit_out
+  given_out = _merge(_flat_shardings(opts.out_shardings, out_tree, "out_shardings") or jit_out,
+                     _typed(closed.jaxpr.outvars, manual))
   out_places = None if given_out is None else [
       from_spec(spmd.spec_of(s), len(v.aval.shape), manual) if s is not None else None
       for s, v in zip(given_out, closed.jaxpr.outvars)]
@@ -597,16 +650,25 @@ def _jit_layouts(jaxpr) -> tuple[list | None, list | None]:
   def named(s):
     return s if isinstance(s, jax.sharding.NamedSharding) else None
 
+  is_var = lambda v: not isinstance(v, jax.extend.core.Literal)   # noqa: E731
   ins = [None] * len(jaxpr.invars)
   position = {v: i for i, v in enumerate(jaxpr.invars)}
   for v, s in zip(eqn.invars, eqn.params["in_shardings"]):
-    if v in position and named(s) is not None:
+    if is_var(v) and v in position and named(s) is not None:
       ins[position[v]] = named(s)
-  outs = [None] * len(jaxpr.outvars)
   made = dict(zip(eqn.outvars, eqn.params["out_shardings"]))
-  for i, v in enumerate(jaxpr.outvars):
-    outs[i] = named(made.get(v))
+  outs = [named(made.get(v)) if is_var(v) else None for v in jaxpr.outvars]
   return (ins if any(ins) else None), (outs if any(outs) else None)
+
+
+def _typed(outvars, manual) -> list | None:
+  """The layouts the outputs' types give where the manual axes are Explicit (JAX's
+  explicit sharding: a type's spec is where jit puts the value); None elsewhere."""
+  def typed(v):
+    sharding = getattr(v.aval, "sharding", None)
+    return sharding if manual and explicit(getattr(sharding, "mesh", None), manual) else None
+  out = [typed(v) for v in outvars]
+  return out if any(s is not None for s in out) else None
 
 
 def _flat_shardings(given, tree, argument: str):
@@ -636,13 +698,13 @@ def _flat_shardings(given, tree, argument: str):
 
 
 def _laid_out(flat) -> tuple | None:
-  """The arguments' shardings when every one is a concrete array and some is split over a
-  mesh; else None."""
-  if not flat or any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array)
-                     for x in flat):
+  """The arguments' shardings (None for a NumPy array or a Python number) when none is
+  traced and some is laid out over a mesh (split, unreduced or reduced); else None."""
+  if not flat or any(isinstance(x, jax.core.Tracer) for x in flat):
     return None
-  shardings = tuple(x.sharding for x in flat)
-  if not any(isinstance(s, jax.sharding.NamedSharding) and any(s.spec) for s in shardings):
+  shardings = tuple(x.sharding if isinstance(x, jax.Array) else None for x in flat)
+  if not any(isinstance(s, jax.sharding.NamedSharding) and (
+      any(entries(s.spec)) or s.spec.unreduced or s.spec.reduced) for s in shardings):
     return None
   return shardings
 

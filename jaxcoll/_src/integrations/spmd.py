@@ -35,7 +35,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src import compat
 from jaxcoll._src.integrations.partials import choose, origin_of, reduced_apart
-from jaxcoll._src.integrations.placement import Local, Placement, from_spec, replicated
+from jaxcoll._src.integrations.placement import (
+  Local,
+  Placement,
+  entries,
+  from_spec,
+  replicated,
+  with_leading,
+)
 from jaxcoll._src.integrations.redistribute import Comm, redistribute, reduce_many
 from jaxcoll._src.integrations.spmd_rules import (
   CALLS,
@@ -47,6 +54,14 @@ from jaxcoll._src.integrations.spmd_rules import (
   laid_out_as_asked,
 )
 from jaxcoll.extend import ReportLine, axis_index, record_at, record_note
+
+# Equations whose result has its operand's rank and carries each of its dimensions
+# through (resized, reordered within it, or combined with other operands along it).
+_CARRIED_THROUGH = frozenset({
+    "slice", "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "rev", "sort",
+    "scatter", "scatter-add", "scatter_add", "reduce_window_sum", "reduce_window",
+    "reduce_window_max", "reduce_window_min", "cumsum", "cumprod", "cummax", "cummin",
+    "cumlogsumexp"})
 
 
 @dataclasses.dataclass
@@ -121,6 +136,9 @@ class Evaluator:
           outs = [x if any(x.key == i.key for i in ins) else
                   dataclasses.replace(x, origin=origin_of(eqn, ins, x, k, where))
                   for k, x in enumerate(outs)]
+        if eqn.primitive.name in _CARRIED_THROUGH:
+          outs = [dataclasses.replace(outs[0], kept=self.kept(eqn, ins[0], outs[0])),
+                  *outs[1:]]
         for var, out in zip(eqn.outvars, outs):
           if not isinstance(var, jax.extend.core.DropVar):
             self._set(scope, var, out)
@@ -179,7 +197,7 @@ class Evaluator:
     if local.place.partial - place.partial:
       waiting = scope.pending.get(local.var)
       if waiting is not None and waiting.key == local.key and not local.carried:
-        self.flush(scope)
+        self.flush(scope, {local.key: place})
       else:
         self._reduce([local], {local.key: place})
       local = self.derive(local)
@@ -193,19 +211,21 @@ class Evaluator:
         scope.moved[key] = redistribute(local.value, local.place, place, self.comm)
     return scope.moved[key]
 
-  def flush(self, scope: _Scope) -> None:
+  def flush(self, scope: _Scope, wanted: dict | None = None) -> None:
     """Every partial sum waiting in ``scope`` that is still to be read made whole (or split
-    where it is headed: :meth:`headed_for`), together: the values :func:`partials.choose`
-    picks reduced in buckets, the others derived from them."""
+    where it is headed: :meth:`headed_for`, or where ``wanted`` asks, by key), together: the
+    values :func:`partials.choose` picks reduced in buckets, the others derived from them."""
     live = self._last_use(scope)
     waiting = [(v, local) for v, local in scope.pending.items()   # an accumulator only adds
                if live.get(v, -1) >= scope.position and not local.carried]
     if not waiting:
       return
-    self._reduce([local for _, local in waiting])
+    self._reduce([local for _, local in waiting], wanted)
     for var, local in waiting:   # each where it is headed, as if it had been reduced itself
       derived = self.derive(local)
       target = self.headed_for(scope, var, local.place)
+      if wanted and local.key in wanted and not wanted[local.key].partial:
+        target = Placement(wanted[local.key].dims)
       if derived.place != target:
         derived = Local(redistribute(derived.value, derived.place, target, self.comm), target)
       self._set(scope, var, derived)
@@ -249,6 +269,22 @@ class Evaluator:
       if bound is not None and bound.key == source.key:
         return self.headed_for(scope, source.var, source.place)
     return source.place.whole()
+
+  def kept(self, eqn, operand: Local, out: Local) -> Placement | None:
+    """Where ``out`` falls as an output that nothing declares (:attr:`Local.kept`): its
+    dimensions carried through from ``operand`` keep the operand's split where the rule
+    made them whole, as XLA's partitioner keeps it under ``jax.jit``; None where that
+    adds nothing."""
+    if operand.place.ndim != out.place.ndim:
+      return None
+    whole = out.place.whole()
+    used, dims = set(whole.sharded), []
+    for have, split, n in zip(whole.dims, operand.place.dims, eqn.outvars[0].aval.shape):
+      fits = bool(split) and not used & set(split) and \
+          n % math.prod(self.sizes[a] for a in split) == 0
+      dims.append(have or (split if fits else ()))
+      used |= set(dims[-1])
+    return None if tuple(dims) == whole.dims else Placement(tuple(dims))
 
   # ---- where a partial sum is headed ----
 
@@ -485,9 +521,10 @@ def run(closed, leaves, mesh, manual: tuple[str, ...], places: Sequence[Placemen
     args, consts = pieces[:n], pieces[n:]
     chosen: list = []
 
-    def targets(outs):   # where the outputs fall, whole (out_places where given)
+    def targets(outs):   # where the outputs fall (out_places where given)
       given = out_places or [None] * len(outs)
-      chosen.extend(g if g is not None else o.place.whole() for g, o in zip(given, outs))
+      chosen.extend(g if g is not None else o.kept or o.place.whole()
+                    for g, o in zip(given, outs))
       return chosen
 
     outs = ev.run_jaxpr(closed.jaxpr, consts, args, targets)
@@ -496,11 +533,11 @@ def run(closed, leaves, mesh, manual: tuple[str, ...], places: Sequence[Placemen
   def program(*leaves):   # under jit: a stack is a broadcast whose copies stay where they are
     leaves, in_specs, stacked = list(leaves), [], []
     for i, p in enumerate(places):
-      missing = tuple(a for a in manual if a not in p.sharded)
+      missing = tuple(a for a in manual if a not in p.used)
       spec = p.spec()
       if stack is not None and missing:
-        leaves[i] = stack(leaves[i], mesh, missing, tuple(spec))
-        spec = P(missing, *spec)
+        leaves[i] = stack(leaves[i], mesh, missing, entries(spec))
+        spec = with_leading(spec, missing)
       in_specs.append(spec)
       stacked.append(stack is not None and bool(missing))
     auto = set(mesh.axis_names) - set(manual)

@@ -47,7 +47,7 @@ from jax.extend.random import threefry2x32_p
 from jaxcoll._src import compat
 from jaxcoll._src.collectives import all_reduce
 from jaxcoll._src.integrations.partials import accumulators
-from jaxcoll._src.integrations.placement import Local, Placement, from_spec, replicated
+from jaxcoll._src.integrations.placement import Local, Placement, explicit, from_spec, replicated
 from jaxcoll.extend import record_paused, record_repeated
 
 
@@ -703,20 +703,25 @@ def _sharding_param(eqn):
 
 def _to_named(ev, eqn, ins):
   """A sharding annotation: the value moved to the placement it names (over the manual
-  axes); an annotation without one is the identity."""
+  axes); an annotation without one is the identity, and so is a cast into Auto axes (a
+  ``reshard``/``mesh_cast`` leaving an ``explicit_axes`` function: the type no longer
+  says where the value is, and it stays where it is)."""
   (x,) = ins[:1]
   sharding = _sharding_param(eqn)
-  if sharding is None:
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is not None and not set(ev.manual) & set(mesh.axis_names):
+    raise ValueError(
+        f"use: {eqn.primitive.name} at {compat.source_line(eqn)} moves a value to a mesh of "
+        f"axes {tuple(mesh.axis_names)} (jax.sharding.use_abstract_mesh), while use runs the "
+        f"program per device over {ev.manual}; expected one mesh for the whole program "
+        "(run this one under jax.jit)")
+  if sharding is None or (eqn.primitive.name != "sharding_constraint" and
+                          not explicit(getattr(sharding, "mesh", None), ev.manual)):
     return [x]
   target = from_spec(getattr(sharding, "spec", None), x.place.ndim, ev.manual)
   if not ev.splits(eqn.invars[0].aval.shape, target):
     target = replicated(x.place.ndim)
   return [Local(ev.to(x, target), target)]
-
-
-def _explicit(mesh, axes) -> bool:
-  types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
-  return all(types.get(a) == jax.sharding.AxisType.Explicit for a in axes)
 
 
 def laid_out_as_asked(ev, eqn, outs: list) -> list:
@@ -725,7 +730,7 @@ def laid_out_as_asked(ev, eqn, outs: list) -> list:
   without it. A partial sum asked whole is left partial (reduced when read, in buckets)."""
   sharding = eqn.params.get("out_sharding")
   mesh = getattr(sharding, "mesh", None)
-  if len(outs) != 1 or mesh is None or not _explicit(mesh, ev.manual):
+  if len(outs) != 1 or mesh is None or not explicit(mesh, ev.manual):
     return outs   # Auto axes: a type's spec says nothing about where values must be
   spec = sharding.spec
   (x,) = outs

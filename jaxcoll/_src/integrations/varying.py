@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src.collectives import all_reduce
+from jaxcoll._src.integrations.placement import with_leading
 from jaxcoll.extend import compresses
 
 vary_p = Primitive("jaxcoll_vary")
@@ -104,7 +105,8 @@ def _stack_abstract_eval(aval, *, mesh, axes, spec, algorithm, wire_dtype):
   abstract = mesh.abstract_mesh
   if all(t == jax.sharding.AxisType.Explicit for t in abstract.axis_types):
     return aval.update(shape=shape, sharding=NamedSharding(abstract, P(axes, *spec)))
-  return aval.update(shape=shape, sharding=aval.sharding.update(spec=P(None, *aval.sharding.spec)))
+  return aval.update(shape=shape,
+                     sharding=aval.sharding.update(spec=with_leading(aval.sharding.spec, None)))
 
 
 def _stack_transpose(ct, x, *, mesh, axes, spec, algorithm, wire_dtype):

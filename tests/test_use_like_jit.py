@@ -1,0 +1,439 @@
+"""``jaxcoll.use(f)`` keeps what ``jax.jit(f)`` promises, for the programs of JAX's own
+documentation: the same values, dtypes, weak types and output shardings (type, mesh, spec
+with its unreduced and reduced sets), and where jit refuses a program, use refuses it with
+jax's error type.
+
+Programs, copied from jax-ml/jax (names in ``CASES`` say which):
+
+- ``docs/new_docs/201/sharding.md`` (explicit sharding: types, ``reshard``, ``out_sharding``,
+  ``auto_axes``/``explicit_axes``, shard_map on an Explicit mesh);
+- ``docs/new_docs/301/sharding-ad.md`` (``unreduced`` and ``reduced``: an einsum left
+  unreduced, cashed in by ``reshard``; reduced weights whose gradients are unreduced; a
+  gradient accumulator kept unreduced across a scan; shard_map with unreduced and reduced
+  specs);
+- ``jax.jit``'s documented arguments: Python and NumPy scalars, ``None`` leaves, keyword,
+  static and donated arguments, declared ``in_shardings``/``out_shardings`` (NamedSharding
+  or a bare PartitionSpec under a mesh, with and without arguments), ``pjit`` under the
+  older ``with Mesh`` context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pjit import pjit
+from jax.sharding import AxisType, Mesh, NamedSharding, auto_axes, explicit_axes
+from jax.sharding import PartitionSpec as P
+
+import jaxcoll
+
+pytestmark = pytest.mark.quick   # also on the oldest supported jax (.ci/run)
+
+
+def _mesh(shape, names, explicit=True):
+  types = (AxisType.Explicit if explicit else AxisType.Auto,) * len(shape)
+  return jax.make_mesh(shape, names, axis_types=types)
+
+
+def _shards(x) -> list:
+  """An array's data: per device where it is unreduced (a sum not taken), else whole."""
+  if getattr(x, "sharding", None) is not None and getattr(x.sharding, "spec", P()).unreduced:
+    return [np.asarray(s.data) for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
+  return [np.asarray(x)]
+
+
+def assert_like_jit(f, args, ctx=contextlib.nullcontext, kwargs=None):
+  """``use(f)`` against ``f`` (jitted): values within float32 reduction-order tolerance (the
+  programs sum at most 16 terms of magnitude <= 100), dtypes, weak types, shardings. Where
+  ``f`` raises, ``use(f)`` raises the same type. ``args``: a function giving fresh
+  arguments (donation deletes them)."""
+  kwargs = kwargs or {}
+  try:
+    with ctx():
+      want = f(*args(), **kwargs)
+  except Exception as e:   # noqa: BLE001 - whatever jit raises, use raises alike
+    with pytest.raises(type(e)), ctx():
+      jaxcoll.use(f)(*args(), **kwargs)
+    return
+  with ctx():
+    got = jaxcoll.use(f)(*args(), **kwargs)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert (jnp.shape(g), jnp.result_type(g)) == (jnp.shape(w), jnp.result_type(w))
+    assert jax.typeof(g).weak_type == jax.typeof(w).weak_type
+    assert type(g.sharding) is type(w.sharding), (g.sharding, w.sharding)
+    assert g.sharding.is_equivalent_to(w.sharding, jnp.ndim(w)), (g.sharding, w.sharding)
+    if isinstance(w.sharding, NamedSharding):
+      assert g.sharding.spec.unreduced == w.sharding.spec.unreduced
+      assert g.sharding.spec.reduced == w.sharding.spec.reduced
+    for a, b in zip(_shards(g), _shards(w), strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=16 * 100 * np.finfo(np.float32).eps)
+
+
+# ---- jit's arguments ----
+
+def _row_mesh():
+  return _mesh((8,), ("x",), explicit=False)
+
+
+def _rows(mesh, n=16):
+  return jax.device_put(jnp.arange(n * 4.).reshape(n, 4), NamedSharding(mesh, P("x")))
+
+
+def jit_arguments(name):
+  mesh = _row_mesh()
+  rows = lambda: _rows(mesh)   # noqa: E731
+  w = jax.device_put(jnp.ones((4,)), NamedSharding(mesh, P()))
+
+  @jax.jit
+  def step(w, x, lr):
+    return w - lr * jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+
+  pjit_mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+  return {
+      "python_int": (jax.jit(lambda x: x + 2), lambda: (1,)),
+      "python_float": (jax.jit(lambda x: x * 2), lambda: (1.5,)),
+      "numpy_scalar": (jax.jit(lambda x: x + 2), lambda: (np.float32(1),)),
+      "python_float_learning_rate": (step, lambda: (w, rows(), 0.1)),
+      "constant_output": (jax.jit(lambda x: jnp.array(1)), lambda: (rows(),)),
+      "scatter_of_literal": (jax.jit(lambda x: x.at[:, jnp.array([0, 2])].add(5.0)),
+                             lambda: (rows(),)),
+      "truncated_normal_bounds": (
+          jax.jit(lambda k, x: x + jax.random.truncated_normal(k, -1., 2., x.shape)),
+          lambda: (jax.random.key(0), rows())),
+      "none_leaf": (jax.jit(lambda d: d["a"] * 2), lambda: ({"a": rows(), "b": None},)),
+      "static_argnums": (jax.jit(lambda x, n: x * n, static_argnums=1), lambda: (rows(), 3)),
+      "donate_argnums": (jax.jit(lambda x: x * 2, donate_argnums=0), lambda: (rows(),)),
+      "out_shardings_no_arguments": (
+          jax.jit(lambda: jnp.zeros((8, 4)), out_shardings=NamedSharding(mesh, P("x"))),
+          lambda: ()),
+      "in_and_out_shardings": (
+          jax.jit(lambda x: x * 2, in_shardings=NamedSharding(mesh, P("x")),
+                  out_shardings=NamedSharding(mesh, P())), lambda: (jnp.ones((16, 4)),)),
+      "pjit_under_with_mesh": (
+          pjit(lambda x: x, in_shardings=P("x"), out_shardings=P("x")),
+          lambda: (jnp.arange(8.),), lambda: pjit_mesh),
+      "partition_spec_under_set_mesh": (
+          jax.jit(lambda: jnp.zeros((8, 4)), out_shardings=P("x")), lambda: (),
+          lambda: jax.set_mesh(mesh)),
+      "auto_reductions_and_transposes": (
+          jax.jit(lambda x: (x.sum(0), x.sum(1), x.T, x.reshape(8, 8))), lambda: (rows(),)),
+  }[name]
+
+
+# ---- docs/new_docs/201/sharding.md ----
+
+def sharding_201(name):
+  mesh = _mesh((4, 2), ("X", "Y"))
+  auto = _mesh((4, 2), ("X", "Y"), explicit=False)
+  on, on_auto = (lambda: jax.set_mesh(mesh)), (lambda: jax.set_mesh(auto))
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.arange(8 * 4.).reshape(8, 4), jax.P("X", "Y"))
+    arg0 = jax.device_put(np.arange(4).reshape(4, 1), jax.P("X", None))
+    arg1 = jax.device_put(np.arange(8).reshape(1, 8), jax.P(None, "Y"))
+    xr = jax.random.normal(jax.random.key(0), (8, 4), out_sharding=jax.P("X", "Y"))
+    x2 = jax.device_put(jnp.arange(8 * 4.).reshape(8, 4), jax.P(None, "X"))
+    y2 = jax.device_put(jnp.arange(4 * 16.).reshape(4, 16), jax.P("X", None))
+    xa = jax.device_put(np.arange(16.).reshape(4, 4), jax.P("X", None))
+    ya = jax.device_put(np.arange(16.).reshape(4, 4), jax.P(None, "X"))
+    my_array = jnp.sin(jax.device_put(np.arange(8.), jax.P("X")))
+
+    @jax.shard_map(out_specs=jax.P("X", None))
+    def matmul(x_shard, y_shard):
+      z_summand = jnp.dot(x_shard, y_shard)
+      return jax.lax.psum_scatter(z_summand, "X", tiled=True)
+  with jax.set_mesh(auto):
+    x3 = jax.device_put(jnp.arange(8 * 4.).reshape(8, 4), jax.P(None, "X"))
+    y3 = jax.device_put(jnp.arange(4 * 16.).reshape(4, 16), jax.P("X", None))
+    x4 = jax.device_put(np.arange(16.).reshape(4, 4), jax.P("X", "Y"))
+
+  @auto_axes
+  def add2(x, y):
+    return x + y
+
+  def f33(x, y):
+    z = jnp.dot(x, y)
+    z = jax.lax.with_sharding_constraint(z, jax.P("X", None))
+    return z
+
+  @explicit_axes
+  def explicit_g(y):
+    z = y * 2
+    return z
+
+  def f34(arr1):
+    x = jnp.sin(arr1)
+    z = explicit_g(x, in_sharding=jax.P("X", "Y"))
+    return z + 1
+
+  @auto_axes
+  def check_in_auto_context(x):
+    return x
+
+  return {
+      "sin_transpose": (jax.jit(lambda x: jnp.sin(x).T), lambda: (x,), on),
+      "broadcast_add": (jax.jit(lambda x, y: x + y), lambda: (arg0, arg1), on),
+      "sum_over_split": (jax.jit(lambda x: x.sum(0)), lambda: (xr,), on),
+      "random_out_sharding": (
+          jax.jit(lambda k: jax.random.normal(k, (8, 4), out_sharding=jax.P("X", "Y"))),
+          lambda: (jax.random.key(0),), on),
+      "dot_without_out_sharding_refused": (jax.jit(jnp.dot), lambda: (x2, y2), on),
+      "dot_out_sharding": (jax.jit(lambda x, y: jnp.dot(x, y, out_sharding=jax.P("X", None))),
+                           lambda: (x2, y2), on),
+      "add_of_conflicting_splits_refused": (jax.jit(lambda x, y: x + y), lambda: (xa, ya), on),
+      "auto_axes": (jax.jit(lambda x, y: add2(x, y, out_sharding=jax.P("X", None))),
+                    lambda: (xa, ya), on),
+      "auto_mesh_with_sharding_constraint": (jax.jit(f33), lambda: (x3, y3), on_auto),
+      "explicit_axes_in_auto_program": (jax.jit(f34), lambda: (x4,), on_auto),
+      "auto_axes_context": (
+          jax.jit(lambda x: check_in_auto_context(x, out_sharding=jax.P("X"))),
+          lambda: (my_array,), on),
+      "shard_map_on_explicit_mesh": (matmul, lambda: (x2, y2), on),
+      "shard_map_on_explicit_mesh_jitted": (jax.jit(matmul), lambda: (x2, y2), on),
+  }[name]
+
+
+# ---- docs/new_docs/301/sharding-ad.md ----
+
+def sharding_ad_301(name):
+  mesh = _mesh((2,), ("X",))
+  on = lambda: jax.set_mesh(mesh)   # noqa: E731
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.arange(8 * 4.).reshape(8, 4), jax.P("X", None))
+    w = jax.device_put(jnp.arange(4 * 2.).reshape(4, 2) / 10., jax.P(None, None))
+    a = jax.device_put(jnp.arange(4.).reshape(2, 2), jax.P(None, "X"))
+    b = jax.device_put(jnp.arange(4., 8.).reshape(2, 2), jax.P("X", None))
+    x1 = jax.device_put(jnp.ones((8, 4)), jax.P("X", None))
+    x2 = jax.device_put(jnp.ones((8, 4)), jax.P("X", None))
+    stacked_ws = jax.device_put(jnp.stack([jnp.eye(4) / 2] * 3), jax.P(reduced={"X"}))
+    xs = jax.device_put(jnp.ones((5, 2, 4)), jax.P(None, "X", None))
+    ws_replicated = jax.reshard(stacked_ws, jax.P())
+    w_r = jax.reshard(w, jax.P(None, None, reduced={"X"}))
+
+    @jax.shard_map(in_specs=(jax.P(None, "X"), jax.P("X", None)),
+                   out_specs=jax.P(None, None, unreduced={"X"}))
+    def matmul_partial(a, b):
+      out = a @ b   # a local matmul of this device's pieces: a partial sum
+      return jax.lax.pcast(out, "X", to="unreduced")
+
+    @jax.shard_map(in_specs=(jax.P("X", None), jax.P(None, None, reduced={"X"})),
+                   out_specs=jax.P("X", None))
+    def apply_layer(x, w):
+      return jnp.tanh(x @ w)
+
+  def loss(w, x):
+    return jnp.sum((x @ w) ** 2)
+
+  def unreduced(a, b):
+    return jnp.einsum("ij,jk->ik", a, b, out_sharding=jax.P(None, None, unreduced={"X"}))
+
+  def c_plus_c2(a, b):
+    c = unreduced(a, b)
+    c2 = jnp.einsum("ij,jk->ik", 2. * a, b, out_sharding=jax.P(None, None, unreduced={"X"}))
+    return jax.reshard(c + c2, jax.P(None, None))
+
+  def loss2(w, x):
+    w = jax.reshard(w, jax.P(None, None, reduced={"X"}))
+    return jnp.sum((x @ w) ** 2)
+
+  def loss_fanout(w, x1, x2):
+    w = jax.reshard(w, jax.P(None, None, reduced={"X"}))
+    return jnp.sum(x1 @ w) + jnp.sum(x2 @ w)
+
+  def predict(stacked_ws, xs):  # stacked_ws: [layer, features, features]
+    def apply_layer(xs, w):
+      return jnp.tanh(xs @ w), None
+    final_xs, _ = jax.lax.scan(apply_layer, xs, stacked_ws)
+    return final_xs
+
+  def loss3(stacked_ws, batch):
+    return jnp.sum(predict(stacked_ws, batch) ** 2)
+
+  @jax.jit
+  def step(stacked_ws, xs):  # xs: [microbatch, batch@X, features]
+    def microbatch_step(grad_acc, xs_mb):
+      grads = jax.grad(loss3)(stacked_ws, xs_mb)
+      # ws are reduced, so grads are unreduced -- and we can check it!
+      assert jax.typeof(grads).sharding.spec.unreduced == {"X"}
+      return grad_acc + grads, None
+
+    grad_acc = jax.reshard(jnp.zeros_like(stacked_ws), jax.P(unreduced={"X"}))
+    grad_acc, _ = jax.lax.scan(microbatch_step, grad_acc, xs)
+    grads = jax.reshard(grad_acc, jax.P())        # the one AllReduce
+    ws = jax.reshard(stacked_ws, jax.P())         # free: full copies already
+    return ws - 0.01 * grads
+
+  @jax.jit
+  def step_replicated(stacked_ws, xs):
+    def microbatch_step(grad_acc, xs_mb):
+      grads = jax.grad(loss3)(stacked_ws, xs_mb)  # replicated: AllReduce inside!
+      return grad_acc + grads, None
+    grad_acc = jnp.zeros_like(stacked_ws)
+    grad_acc, _ = jax.lax.scan(microbatch_step, grad_acc, xs)
+    return stacked_ws - 0.01 * grad_acc
+
+  def matmul_loss(a, b):
+    return jnp.sum(jax.reshard(matmul_partial(a, b), jax.P(None, None)))
+
+  layer_loss = lambda w, x: jnp.sum(apply_layer(x, w) ** 2)   # noqa: E731
+  return {
+      "gradients": (jax.jit(jax.grad(loss, argnums=(0, 1))), lambda: (w, x), on),
+      "matmul_of_conflicting_splits_refused": (jax.jit(lambda a, b: a @ b),
+                                               lambda: (a, b), on),
+      "einsum_replicated_out": (
+          jax.jit(lambda a, b: jnp.einsum("ij,jk->ik", a, b, out_sharding=jax.P(None, None))),
+          lambda: (a, b), on),
+      "einsum_unreduced_out": (jax.jit(unreduced), lambda: (a, b), on),
+      "unreduced_reshard": (jax.jit(lambda a, b: jax.reshard(unreduced(a, b), jax.P(None, None))),
+                            lambda: (a, b), on),
+      "add_of_unreduced": (jax.jit(c_plus_c2), lambda: (a, b), on),
+      "cos_of_unreduced_refused": (jax.jit(lambda a, b: jnp.cos(unreduced(a, b))),
+                                   lambda: (a, b), on),
+      "reshard_to_reduced": (jax.jit(lambda w: jax.reshard(w, jax.P(None, None,
+                                                                    reduced={"X"}))),
+                             lambda: (w,), on),
+      "reduced_weight_gradient": (jax.jit(jax.grad(loss2)), lambda: (w, x), on),
+      "reduced_fanout_gradient": (jax.jit(jax.grad(loss_fanout)), lambda: (w, x1, x2), on),
+      "unreduced_accumulator_scan": (step, lambda: (stacked_ws, xs), on),
+      "replicated_accumulator_scan": (step_replicated, lambda: (ws_replicated, xs), on),
+      "shard_map_unreduced_out": (matmul_partial, lambda: (a, b), on),
+      "shard_map_unreduced_out_jitted": (jax.jit(matmul_partial), lambda: (a, b), on),
+      "shard_map_unreduced_gradient": (jax.jit(jax.grad(matmul_loss, argnums=(0, 1))),
+                                       lambda: (a, b), on),
+      "shard_map_reduced_in_gradient": (jax.grad(layer_loss), lambda: (w_r, x), on),
+      "shard_map_reduced_in_gradient_jitted": (jax.jit(jax.grad(layer_loss)),
+                                               lambda: (w_r, x), on),
+  }[name]
+
+
+CASES = {
+    **{f"jit/{n}": (jit_arguments, n) for n in (
+        "python_int", "python_float", "numpy_scalar", "python_float_learning_rate",
+        "constant_output", "scatter_of_literal", "truncated_normal_bounds", "none_leaf",
+        "static_argnums", "donate_argnums", "out_shardings_no_arguments",
+        "in_and_out_shardings", "pjit_under_with_mesh", "partition_spec_under_set_mesh",
+        "auto_reductions_and_transposes")},
+    **{f"sharding_201/{n}": (sharding_201, n) for n in (
+        "sin_transpose", "broadcast_add", "sum_over_split", "random_out_sharding",
+        "dot_without_out_sharding_refused", "dot_out_sharding",
+        "add_of_conflicting_splits_refused", "auto_axes", "auto_mesh_with_sharding_constraint",
+        "explicit_axes_in_auto_program", "auto_axes_context", "shard_map_on_explicit_mesh",
+        "shard_map_on_explicit_mesh_jitted")},
+    **{f"sharding_ad_301/{n}": (sharding_ad_301, n) for n in (
+        "gradients", "matmul_of_conflicting_splits_refused", "einsum_replicated_out",
+        "einsum_unreduced_out", "unreduced_reshard", "add_of_unreduced",
+        "cos_of_unreduced_refused", "reshard_to_reduced", "reduced_weight_gradient",
+        "reduced_fanout_gradient", "unreduced_accumulator_scan", "replicated_accumulator_scan",
+        "shard_map_unreduced_out", "shard_map_unreduced_out_jitted",
+        "shard_map_unreduced_gradient", "shard_map_reduced_in_gradient",
+        "shard_map_reduced_in_gradient_jitted")},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_use_equals_jit_in_values_and_output_shardings(case):
+  make, name = CASES[case]
+  f, args, *ctx = make(name)
+  assert_like_jit(f, args, *ctx)
+
+
+def test_keyword_arguments_pass_as_jit_passes_them():
+  mesh = _row_mesh()
+  assert_like_jit(jax.jit(lambda x, *, s: x * s), lambda: (_rows(mesh),), kwargs={"s": 3.0})
+
+
+def test_a_new_python_learning_rate_is_not_a_new_program():
+  """jit traces a Python number as a weakly typed scalar: a schedule's next value reuses the
+  compiled step. So does use."""
+  mesh = _row_mesh()
+  traces = []
+
+  @jax.jit
+  def step(w, x, lr):
+    traces.append(lr)
+    return w - lr * jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+
+  w = jax.device_put(jnp.ones((4,)), NamedSharding(mesh, P()))
+  used = jaxcoll.use(step)
+  outs = [used(w, _rows(mesh), lr) for lr in (0.1, 0.2, 0.3)]
+  assert len(traces) == 1
+  for lr, out in zip((0.1, 0.2, 0.3), outs):
+    np.testing.assert_allclose(out, step(w, _rows(mesh), lr), rtol=1e-6)
+
+
+def test_a_program_on_another_mesh_is_refused_by_name():
+  """sharding.md's ``use_abstract_mesh`` example moves a value to a mesh of other axes; use
+  runs a program per device over one mesh, and says so instead of returning it elsewhere."""
+  mesh = _mesh((4, 2), ("X", "Y"))
+
+  @jax.jit
+  def f(x):
+    abstract_mesh = jax.sharding.AbstractMesh((8,), ("A",), (AxisType.Explicit,))
+    with jax.sharding.use_abstract_mesh(abstract_mesh):
+      y = jax.reshard(x, jax.P("A", None))
+      return y * 2
+
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.arange(32.).reshape(8, 4), jax.P("X", "Y"))
+    with pytest.raises(ValueError, match=r"reshard at .*a mesh of axes \('A',\)"):
+      jaxcoll.use(f)(x)
+
+
+def _hlo_collectives(used, *args) -> dict:
+  hlo = used.lower(*args).compile().as_text()
+  return {k: len(re.findall(rf"\b{k}(-start)?\(", hlo))
+          for k in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                    "collective-permute")}
+
+
+def test_explicit_tp_unreduced_reduction_runs_as_a_jaxcoll_collective():
+  """An einsum left ``unreduced`` over the model axis, cashed in by ``reshard``: its one
+  reduction is jaxcoll's ring all_reduce where the program asks for it, collective-permutes
+  only in the compiled step."""
+  mesh = _mesh((2, 4), ("x", "y"))
+  with jax.set_mesh(mesh):
+    a = jax.device_put(jnp.arange(128.).reshape(16, 8) / 100, P("x", "y"))
+    b = jax.device_put(jnp.arange(64.).reshape(8, 8) / 100, P("y", None))
+
+    @jax.jit
+    def tp(a, b):
+      c = jnp.einsum("xy,yz->xz", a, b, out_sharding=P("x", None, unreduced={"y"}))
+      return jax.sharding.reshard(jnp.tanh(jax.sharding.reshard(c, P("x", None))),
+                                  P("x", None))
+
+    used = jaxcoll.use(tp, algorithm="ring")
+    assert_like_jit(tp, lambda: (a, b))
+    report = jaxcoll.explain_step(used, a, b)
+    assert [(x.what, x.axes) for x in report.collectives] == [("all_reduce", ("y",))]
+    assert report.collectives[0].nbytes == 8 * 8 * 4   # this device's rows, once
+    counts = _hlo_collectives(used, a, b)
+    assert counts.pop("collective-permute") > 0 and not any(counts.values()), counts
+
+
+def test_explicit_fsdp_gradient_is_a_reduce_scatter():
+  """Parameters split over an Explicit axis, gathered by ``reshard`` for the matmul: the
+  gradient, a partial sum over the batch, lands split as the parameter is, by one
+  reduce-scatter (no all-reduce), as jit types it."""
+  mesh = _mesh((8,), ("x",))
+  with jax.set_mesh(mesh):
+    w = jax.device_put(jnp.arange(64.).reshape(8, 8) / 100, P("x", None))
+    xb = jax.device_put(jnp.arange(128.).reshape(16, 8) / 100, P("x", None))
+
+    @jax.jit
+    def fsdp(w, xb):
+      def loss(w):
+        whole = jax.sharding.reshard(w, P(None, None))
+        return jnp.sum(jnp.tanh(xb @ whole) ** 2)
+      return w - 0.1 * jax.grad(loss)(w)
+
+    used = jaxcoll.use(fsdp, algorithm="ring")
+    assert_like_jit(fsdp, lambda: (w, xb))
+    report = jaxcoll.explain_step(used, w, xb)
+    assert sorted(x.what for x in report.collectives) == ["all_gather", "reduce_scatter"]
+    counts = _hlo_collectives(used, w, xb)
+    assert counts.pop("collective-permute") > 0 and not any(counts.values()), counts
