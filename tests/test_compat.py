@@ -131,3 +131,15 @@ def test_a_jitted_functions_static_and_donated_arguments_are_read():
   assert compat.jit_arguments(f) is None
   assert compat.jit_arguments(jax.jit(f)) == (frozenset(), frozenset(), frozenset(),
                                               frozenset())
+
+
+def test_vmaps_spmd_axes_are_read_on_both_versions():
+  seen = []
+
+  def f(x):
+    seen.append(compat.vmap_spmd_axes())
+    return x
+
+  jax.vmap(f, spmd_axis_name="x")(jnp.ones((2, 3)))
+  f(jnp.ones(3))
+  assert seen == [frozenset({"x"}), frozenset()]

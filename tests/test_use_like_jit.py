@@ -437,3 +437,95 @@ def test_explicit_fsdp_gradient_is_a_reduce_scatter():
     assert sorted(x.what for x in report.collectives) == ["all_gather", "reduce_scatter"]
     counts = _hlo_collectives(used, w, xb)
     assert counts.pop("collective-permute") > 0 and not any(counts.values()), counts
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("in_axes", [(0, 0), (None, 0)])
+def test_vmap_with_spmd_axis_name_around_and_inside_use(check_vma, in_axes):
+  """``jax.vmap(..., spmd_axis_name=)`` over a shard_map'd loss (how pipeline stages are
+  written, MaxText's pipeline among them): its batch is split over the spmd axis, which the
+  shard_map's specs may not name. use(vmap) and vmap(use) give jit's gradients and layout."""
+  mesh = _mesh((2, 4), ("x", "y"), explicit=False)
+
+  def f(w, x):
+    def body(w, x):
+      return jax.lax.psum(jnp.sum(jnp.tanh(x @ w)), "y")
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("y")), out_specs=P(),
+                         check_vma=check_vma)(w, x)
+
+  w = jnp.arange(2 * 16.).reshape(2, 4, 4) / 32
+  if in_axes[0] is None:
+    w = w[0]
+  x = jnp.arange(2 * 8 * 4.).reshape(2, 8, 4) / 100
+  grad = lambda g: jax.jit(jax.vmap(jax.grad(g), in_axes=in_axes,   # noqa: E731
+                                    spmd_axis_name="x"))
+  want = grad(f)(w, x)
+  for got in (jaxcoll.use(grad(f))(w, x), grad(jaxcoll.use(f))(w, x)):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert got.sharding.is_equivalent_to(want.sharding, want.ndim)
+
+
+# ---- jax.numpy and lax operations on a value split over both axes of a 2x4 mesh ----
+
+OPS = {
+    "reshape_merge": lambda a: a.reshape(128),
+    "reshape_split": lambda a: a.reshape(2, 8, 8),
+    "stack": lambda a: jnp.stack([a, 2 * a]),
+    "stack_inner": lambda a: jnp.stack([a, 2 * a], axis=1),
+    "tile": lambda a: jnp.tile(a, (2, 1)),
+    "slice": lambda a: a[:8],
+    "slice_columns": lambda a: a[:, :4],
+    "squeeze": lambda a: a[None].squeeze(0),
+    "expand_dims": lambda a: a[:, None],
+    "concatenate": lambda a: jnp.concatenate([a, a], 0),
+    "scatter": lambda a: a.at[jnp.array([0, 3])].set(1.0),
+    "reduce_window": lambda a: jax.lax.reduce_window(a, 0., jax.lax.add, (2, 1), (2, 1),
+                                                     "VALID"),
+    "bitcast_convert_type": lambda a: jax.lax.bitcast_convert_type(a, jnp.int32),
+    "cumsum": lambda a: jnp.cumsum(a, 0),
+    "sort": lambda a: jnp.sort(-a, 1),
+    "argmax": lambda a: jnp.argmax(a, 1),
+    "transpose": lambda a: a.T,
+    "sum": lambda a: a.sum(),
+    "mean": lambda a: a.mean(1),
+    "outer": lambda a: jnp.einsum("ij,ik->ijk", a, a),
+    "scan": lambda a: jax.lax.scan(lambda c, r: (c + r, c * r), jnp.zeros(8), a)[1],
+    "where": lambda a: jnp.where(a > 3, a, 0.),
+    "pad": lambda a: jnp.pad(a, ((0, 0), (1, 1))),
+    "reverse": lambda a: a[::-1],
+    "dynamic_slice": lambda a: jax.lax.dynamic_slice_in_dim(a, 2, 8, 0),
+    "gather": lambda a: a[jnp.array([1, 5, 9])],
+    "softmax": lambda a: jax.nn.softmax(a, -1),
+    "astype": lambda a: a.astype(jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_operations_on_a_split_value_land_as_under_jit(op, explicit):
+  """Auto mesh: where XLA's partitioner leaves each result (a slice keeps its operand's
+  split, a tile splits what it does not repeat). Explicit mesh: where its type says, or
+  jit's error where the type is ambiguous (a scatter, a pad, a gather of split rows)."""
+  mesh = _mesh((2, 4), ("x", "y"), explicit=explicit)
+  with jax.set_mesh(mesh):
+    a = jax.device_put(jnp.arange(128.).reshape(16, 8) / 10, P("x", "y"))
+  assert_like_jit(jax.jit(OPS[op]), lambda: (a,), lambda: jax.set_mesh(mesh))
+
+
+def test_errors_jax_raises_use_raises():
+  """A shard_map over an AbstractMesh given an array that lives on no mesh, and a jax.Ref
+  returned from a shard_map: jit's ValueError, eager and jitted, before anything runs."""
+  abstract = jax.sharding.AbstractMesh((8,), ("x",), (AxisType.Auto,))
+  mesh = _row_mesh()
+
+  def on_abstract(x):
+    return jax.shard_map(lambda v: v * 2, mesh=abstract, in_specs=P("x"), out_specs=P("x"))(x)
+
+  def returns_ref(x):
+    return jax.shard_map(lambda v: jax.new_ref(v), mesh=mesh, in_specs=P("x"),
+                         out_specs=P("x"))(x)
+
+  for f in (on_abstract, jax.jit(on_abstract)):
+    assert_like_jit(f, lambda: (jnp.arange(8.),))
+  if hasattr(jax, "new_ref"):
+    assert_like_jit(returns_ref, lambda: (_rows(mesh, 8)[:, 0],))

@@ -23,6 +23,9 @@ that moves one fails there first, loudly, instead of somewhere deep in a collect
   which it donates (``static_argnums``/``static_argnames``/``donate_argnums``/
   ``donate_argnames`` of its ``_jit_info``, the same on both versions; no public accessor),
   so that ``jaxcoll.use(jitted)`` passes Python numbers as jit does.
+- ``vmap_spmd_axes``: the mesh axes an enclosing ``jax.vmap(..., spmd_axis_name=...)`` maps
+  its batch over (``jax._src.core.get_axis_env().spmd_axis_names``, both versions): a
+  shard_map under such a vmap may not name them in its ``in_specs``.
 - ``boot_ids``: each process's machine, from the topology jax's own backend published in
   that store (``<platform>:local_topology/<platform>/<process>``), for jobs started with
   plain ``jax.distributed.initialize``.
@@ -306,3 +309,9 @@ def jit_arguments(fun) -> tuple[frozenset, frozenset, frozenset, frozenset] | No
     return None
   return (frozenset(info.static_argnums), frozenset(info.static_argnames),
           frozenset(info.donate_argnums), frozenset(info.donate_argnames))
+
+
+def vmap_spmd_axes() -> frozenset:
+  """The mesh axes enclosing ``jax.vmap`` calls map their batch over (``spmd_axis_name``)."""
+  from jax._src import core
+  return frozenset(core.get_axis_env().spmd_axis_names)

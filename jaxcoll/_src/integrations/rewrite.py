@@ -281,9 +281,10 @@ def _shard_map(opts, eqn, invals):
   stacked = [False] * len(invals)
   if not p["check_vma"]:
     names = tuple(p["mesh"].axis_names)
+    batched = compat.vmap_spmd_axes()   # a vmap's batch splits them: no copies to sum
     for i, (x, spec) in enumerate(zip(invals, in_specs)):
       named = from_spec(spec, len(entries(spec)), manual).used
-      missing = tuple(a for a in names if a in manual and a not in named)
+      missing = tuple(a for a in names if a in manual and a not in named and a not in batched)
       if missing:
         invals[i] = opts.stack(x, p["mesh"], missing, entries(spec))
         in_specs[i], stacked[i] = with_leading(spec, missing), True

@@ -558,6 +558,26 @@ def _concatenate(ev, eqn, ins):
   return [Local(out[0], target)]
 
 
+def _stack(ev, eqn, ins):
+  """``jnp.stack`` (one primitive on jax >= 0.10): the operands joined on the splits they
+  share; the new dimension whole."""
+  axis = eqn.params["axis"]
+  dims = _join_dims(ev, [x.place for x in ins], eqn.invars[0].aval.shape)
+  target = Placement(dims)
+  out = ev.bind(eqn, [ev.to(x, target) for x in ins])
+  return [Local(out[0], Placement(dims[:axis] + ((),) + dims[axis:]))]
+
+
+def _tile(ev, eqn, ins):
+  """``jnp.tile``: a repeated dimension whole (a device's block repeated is not its block
+  of the repetition), the others split as they are."""
+  (x,) = ins
+  reps = eqn.params["reps"]
+  target = Placement(tuple(a if r == 1 else () for a, r in zip(x.place.dims, reps)))
+  out = ev.bind(eqn, [ev.to(x, target)])
+  return [Local(out[0], target)]
+
+
 def _dynamic_slice(ev, eqn, ins):
   x, *index = ins
   shape, sizes = eqn.invars[0].aval.shape, eqn.params["slice_sizes"]
@@ -975,7 +995,8 @@ RULES.update({
     "argmax": _arg_reduce("max"), "argmin": _arg_reduce("min"),
     "broadcast_in_dim": _broadcast_in_dim, "reshape": _reshape, "transpose": _transpose,
     "squeeze": _squeeze, "expand_dims": _expand_dims, "slice": _slice, "pad": _pad,
-    "concatenate": _concatenate, "dynamic_slice": _dynamic_slice,
+    "concatenate": _concatenate, "stack": _stack, "tile": _tile,
+    "dynamic_slice": _dynamic_slice,
     "dynamic_update_slice": _dynamic_update_slice, "sort": _sort, "split": _split,
     "rev": _whole_along(lambda e: e.params["dimensions"], linear=True),
     "cumsum": _whole_along(lambda e: [e.params["axis"]], linear=True),
