@@ -47,19 +47,21 @@ def _shards(x) -> list:
   return [np.asarray(x)]
 
 
-def assert_like_jit(f, args, ctx=contextlib.nullcontext, kwargs=None):
+def assert_like_jit(f, args, ctx=contextlib.nullcontext, kwargs=None, jit_raises=False):
   """``use(f)`` against ``f`` (jitted): values within float32 reduction-order tolerance (the
   programs sum at most 16 terms of magnitude <= 100), dtypes, weak types, shardings. Where
-  ``f`` raises, ``use(f)`` raises the same type. ``args``: a function giving fresh
-  arguments (donation deletes them)."""
+  ``f`` raises (as ``jit_raises`` says it must; None: either), ``use(f)`` raises the same
+  type. ``args``: a function giving fresh arguments (donation deletes them)."""
   kwargs = kwargs or {}
   try:
     with ctx():
       want = f(*args(), **kwargs)
   except Exception as e:   # noqa: BLE001 - whatever jit raises, use raises alike
+    assert jit_raises is not False, f"the program fails under jit itself: {e!r}"
     with pytest.raises(type(e)), ctx():
       jaxcoll.use(f)(*args(), **kwargs)
     return
+  assert jit_raises is not True, "the program was expected to fail under jit"
   with ctx():
     got = jaxcoll.use(f)(*args(), **kwargs)
   assert jax.tree.structure(got) == jax.tree.structure(want)
@@ -339,7 +341,7 @@ CASES = {
 def test_use_equals_jit_in_values_and_output_shardings(case):
   make, name = CASES[case]
   f, args, *ctx = make(name)
-  assert_like_jit(f, args, *ctx)
+  assert_like_jit(f, args, *ctx, jit_raises=name.endswith("_refused"))
 
 
 def test_keyword_arguments_pass_as_jit_passes_them():
@@ -509,7 +511,8 @@ def test_operations_on_a_split_value_land_as_under_jit(op, explicit):
   mesh = _mesh((2, 4), ("x", "y"), explicit=explicit)
   with jax.set_mesh(mesh):
     a = jax.device_put(jnp.arange(128.).reshape(16, 8) / 10, P("x", "y"))
-  assert_like_jit(jax.jit(OPS[op]), lambda: (a,), lambda: jax.set_mesh(mesh))
+  assert_like_jit(jax.jit(OPS[op]), lambda: (a,), lambda: jax.set_mesh(mesh),
+                  jit_raises=None if explicit else False)
 
 
 def test_errors_jax_raises_use_raises():
@@ -526,6 +529,42 @@ def test_errors_jax_raises_use_raises():
                          out_specs=P("x"))(x)
 
   for f in (on_abstract, jax.jit(on_abstract)):
-    assert_like_jit(f, lambda: (jnp.arange(8.),))
+    assert_like_jit(f, lambda: (jnp.arange(8.),), jit_raises=True)
   if hasattr(jax, "new_ref"):
-    assert_like_jit(returns_ref, lambda: (_rows(mesh, 8)[:, 0],))
+    assert_like_jit(returns_ref, lambda: (_rows(mesh, 8)[:, 0],), jit_raises=True)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("program", ["reduced_in_psum", "reduced_in_psum_grad",
+                                     "zero_unreduced_out", "reduced_out"])
+@pytest.mark.parametrize("jitted", [True, False], ids=["jit", "eager"])
+def test_shard_map_with_unreduced_and_reduced_specs(program, check_vma, jitted):
+  """shard_map programs whose specs carry unreduced or reduced sets, typed (check_vma) or
+  not, eager or jitted: a reduced input summed after a cast (and its gradient, an unreduced
+  cotangent), a zero unreduced output, a reduced output."""
+  mesh = _mesh((2, 4), ("x", "y"))
+  with jax.set_mesh(mesh):
+    r = jax.device_put(jnp.arange(8.), P(None, reduced={"y"}))
+    v = jax.device_put(jnp.arange(16.), P(("x", "y")))
+  cast = (lambda x, axes, to: jax.lax.pcast(x, axes, to=to)) if check_vma else \
+      (lambda x, axes, to: x)
+  smap = lambda body, in_specs, out_specs: jax.shard_map(  # noqa: E731
+      body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+
+  def reduced_in(r, v):
+    return smap(lambda r, v: jax.lax.psum(cast(r, "y", "varying") * v.sum(), "y"),
+                (P(None, reduced={"y"}), P(("x", "y"))), P("x"))(r, v)
+
+  programs = {
+      "reduced_in_psum": (reduced_in, (r, v)),
+      "reduced_in_psum_grad": (jax.grad(lambda r, v: reduced_in(r, v).sum(), argnums=(0, 1)),
+                               (r, v)),
+      "zero_unreduced_out": (
+          lambda v: smap(lambda v: cast(cast(jnp.zeros(4), ("y",), "varying"), ("y",),
+                                        "unreduced"),
+                         P(("x", "y")), P(None, unreduced={"y"}))(v), (v,)),
+      "reduced_out": (lambda v: smap(lambda v: cast(jnp.ones(4), "x", "reduced"),
+                                     P(("x", "y")), P(reduced={"x"}))(v), (v,)),
+  }
+  f, args = programs[program]
+  assert_like_jit(jax.jit(f) if jitted else f, lambda: args, lambda: jax.set_mesh(mesh))
