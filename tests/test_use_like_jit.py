@@ -5,6 +5,10 @@ jax's error type.
 
 Programs, copied from jax-ml/jax (names in ``CASES`` say which):
 
+- ``docs/jit-compilation.md`` (Python values, static arguments, what jit refuses);
+- the distributed-arrays notebook (``docs/notebooks/Distributed_arrays_and_automatic_
+  parallelization.md`` before a900877d84e0: computations on sharded arrays, arrays on two
+  meshes refused, ``with_sharding_constraint``);
 - ``docs/new_docs/201/sharding.md`` (explicit sharding: types, ``reshard``, ``out_sharding``,
   ``auto_axes``/``explicit_axes``, shard_map on an Explicit mesh);
 - ``docs/new_docs/301/sharding-ad.md`` (``unreduced`` and ``reduced``: an einsum left
@@ -125,6 +129,84 @@ def jit_arguments(name):
           lambda: jax.set_mesh(mesh)),
       "auto_reductions_and_transposes": (
           jax.jit(lambda x: (x.sum(0), x.sum(1), x.T, x.reshape(8, 8))), lambda: (rows(),)),
+  }[name]
+
+
+# ---- docs/notebooks/Distributed_arrays_and_automatic_parallelization.md (removed in
+# a900877d84e0; its programs on 64 x 64 arrays, its meshes Auto as they were then) ----
+
+def distributed_arrays(name):
+  x = jax.random.normal(jax.random.key(0), (64, 64))
+  mesh = _mesh((4, 2), ("a", "b"), explicit=False)
+  xy = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
+  y = jax.device_put(x, NamedSharding(mesh, P("a", None)))
+  z = jax.device_put(x, NamedSharding(mesh, P(None, "b")))
+  devices = jax.devices()
+  permuted_devices = [devices[i] for i in [0, 1, 2, 3, 6, 7, 4, 5]]
+  sharding1 = NamedSharding(Mesh(devices, "x"), P("x"))
+  sharding2 = NamedSharding(Mesh(permuted_devices, "x"), P("x"))
+  halves = (NamedSharding(Mesh(devices[:4], "x"), P("x")),
+            NamedSharding(Mesh(devices[4:], "x"), P("x")))
+  mesh_xy = _mesh((4, 2), ("x", "y"), explicit=False)
+  x_xy = jax.device_put(x, NamedSharding(mesh_xy, P("x", "y")))
+
+  def f_transposed(x):
+    x = x + 1
+    y = jax.lax.with_sharding_constraint(x, NamedSharding(mesh_xy, P("y", "x")))
+    return y
+
+  def f_replicated(x):
+    x = x + 1
+    y = jax.lax.with_sharding_constraint(x, NamedSharding(mesh_xy, P()))
+    return y
+
+  return {
+      "sin": (jax.jit(jnp.sin), lambda: (xy,)),
+      "dot": (jax.jit(jnp.dot), lambda: (y, z)),
+      "copy": (jax.jit(jnp.copy), lambda: (jnp.dot(y, z),)),
+      "add_ones_like": (jax.jit(lambda y: y + jnp.ones_like(y)),
+                        lambda: (jax.device_put(x, sharding1),)),
+      "add_arange": (jax.jit(lambda y: y + jnp.arange(y.size).reshape(y.shape)),
+                     lambda: (jax.device_put(x, sharding1),)),
+      "devices_of_two_meshes_refused": (jax.jit(lambda y, z: y + z),
+                                        lambda: tuple(jax.device_put(x, s) for s in halves)),
+      "permuted_devices_refused": (
+          jax.jit(lambda y, z: y + z),
+          lambda: (jax.device_put(x, sharding1), jax.device_put(x, sharding2))),
+      "sharding_constraint_transposed": (jax.jit(f_transposed), lambda: (x_xy,)),
+      "sharding_constraint_replicated": (jax.jit(f_replicated), lambda: (x_xy,)),
+  }[name]
+
+
+# ---- docs/jit-compilation.md ----
+
+def jit_compilation(name):
+  mesh = _row_mesh()
+
+  def selu(x, alpha=1.67, lambda_=1.05):
+    return lambda_ * jnp.where(x > 0, x, alpha * jnp.exp(x) - alpha)
+
+  def f(x):
+    if x > 0:
+      return x
+    else:
+      return 2 * x
+
+  def g(x, n):
+    i = 0
+    while i < n:
+      i += 1
+    return x + i
+
+  x = jax.device_put(jnp.arange(1024.) - 512, NamedSharding(mesh, P("x")))
+  return {
+      "selu": (jax.jit(selu), lambda: (x,)),
+      "selu_unsharded": (jax.jit(selu), lambda: (jnp.arange(1000),)),
+      "value_condition_refused": (jax.jit(f), lambda: (10,)),
+      "loop_on_value_refused": (jax.jit(g), lambda: (10, 20)),
+      "static_argnums": (jax.jit(f, static_argnums=0), lambda: (10,)),
+      "static_argnames": (jax.jit(g, static_argnames=["n"]), lambda: (10, 20)),
+      "static_argnames_sharded": (jax.jit(g, static_argnames=["n"]), lambda: (x, 20)),
   }[name]
 
 
@@ -320,6 +402,13 @@ CASES = {
         "static_argnums", "donate_argnums", "out_shardings_no_arguments",
         "in_and_out_shardings", "pjit_under_with_mesh", "partition_spec_under_set_mesh",
         "auto_reductions_and_transposes")},
+    **{f"distributed_arrays/{n}": (distributed_arrays, n) for n in (
+        "sin", "dot", "copy", "add_ones_like", "add_arange", "devices_of_two_meshes_refused",
+        "permuted_devices_refused", "sharding_constraint_transposed",
+        "sharding_constraint_replicated")},
+    **{f"jit_compilation/{n}": (jit_compilation, n) for n in (
+        "selu", "selu_unsharded", "value_condition_refused", "loop_on_value_refused",
+        "static_argnums", "static_argnames", "static_argnames_sharded")},
     **{f"sharding_201/{n}": (sharding_201, n) for n in (
         "sin_transpose", "broadcast_add", "sum_over_split", "random_out_sharding",
         "dot_without_out_sharding_refused", "dot_out_sharding",
