@@ -395,6 +395,34 @@ def sharding_ad_301(name):
   }[name]
 
 
+# ---- beyond the docs: mixed Manual + Explicit, what jax rejects of unreduced values ----
+
+def explicit_more(name):
+  mesh = _mesh((2, 4), ("x", "y"))
+  on = lambda: jax.set_mesh(mesh)   # noqa: E731
+  with jax.set_mesh(mesh):
+    a = jax.device_put(jnp.arange(128.).reshape(16, 8) / 10, P("x", "y"))
+    b = jax.device_put(jnp.arange(64.).reshape(8, 8) / 10, P("y", None))
+    w = jax.device_put(jnp.arange(16.).reshape(2, 8), P(None, None))
+
+  def manual_over_x(a):   # a shard_map over x inside a program whose y stays Explicit
+    def body(a):
+      whole = jax.sharding.reshard(a, P(None, None))
+      return jnp.where(whole < 3., whole, 0.)
+    return jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                         axis_names={"x"})(a)
+
+  def reduced_plus_unreduced(a, b, w):
+    c = jnp.einsum("xy,yz->xz", a, b, out_sharding=P("x", None, unreduced={"y"}))
+    return c[:2] + jax.reshard(w, P(None, None, reduced={"y"}))
+
+  return {
+      "shard_map_over_some_axes": (jax.jit(manual_over_x), lambda: (a,), on),
+      "add_of_reduced_and_unreduced_refused": (jax.jit(reduced_plus_unreduced),
+                                               lambda: (a, b, w), on),
+  }[name]
+
+
 CASES = {
     **{f"jit/{n}": (jit_arguments, n) for n in (
         "python_int", "python_float", "numpy_scalar", "python_float_learning_rate",
@@ -406,6 +434,8 @@ CASES = {
         "sin", "dot", "copy", "add_ones_like", "add_arange", "devices_of_two_meshes_refused",
         "permuted_devices_refused", "sharding_constraint_transposed",
         "sharding_constraint_replicated")},
+    **{f"explicit_more/{n}": (explicit_more, n) for n in (
+        "shard_map_over_some_axes", "add_of_reduced_and_unreduced_refused")},
     **{f"jit_compilation/{n}": (jit_compilation, n) for n in (
         "selu", "selu_unsharded", "value_condition_refused", "loop_on_value_refused",
         "static_argnums", "static_argnames", "static_argnames_sharded")},
@@ -591,15 +621,19 @@ OPS = {
 }
 
 
+@pytest.mark.parametrize("spec", [P("x", "y"), P(("x", "y"), None), P(None, ("x", "y"))],
+                         ids=["rows_x_columns_y", "rows_xy", "columns_xy"])
 @pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
 @pytest.mark.parametrize("op", list(OPS))
-def test_operations_on_a_split_value_land_as_under_jit(op, explicit):
+def test_operations_on_a_split_value_land_as_under_jit(op, explicit, spec):
   """Auto mesh: where XLA's partitioner leaves each result (a slice keeps its operand's
-  split, a tile splits what it does not repeat). Explicit mesh: where its type says, or
-  jit's error where the type is ambiguous (a scatter, a pad, a gather of split rows)."""
+  split, or the major part of it that divides the result; a tile splits what it does not
+  repeat; a reshape of rows split over (x, y) into (2, 8) splits the 2 over x and the 8
+  over y). Explicit mesh: where its type says, or jit's error where the type is ambiguous
+  (a scatter, a pad, a gather of split rows)."""
   mesh = _mesh((2, 4), ("x", "y"), explicit=explicit)
   with jax.set_mesh(mesh):
-    a = jax.device_put(jnp.arange(128.).reshape(16, 8) / 10, P("x", "y"))
+    a = jax.device_put(jnp.arange(128.).reshape(16, 8) / 10, spec)
   assert_like_jit(jax.jit(OPS[op]), lambda: (a,), lambda: jax.set_mesh(mesh),
                   jit_raises=None if explicit else False)
 

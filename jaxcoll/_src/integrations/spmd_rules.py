@@ -441,15 +441,34 @@ def _reshape(ev, eqn, ins):
       axes = src_dims[i]
       if not axes:
         continue
-      n = ev.count(axes)
-      if i == major_i and o1 > o0 and dst_shape[major_o] % n == 0 and not dims[major_o]:
-        dims[major_o] = axes      # the major block of the group stays a contiguous block
+      spread = _spread(ev, axes, dst_shape, major_o, o1) if i == major_i else None
+      if spread is not None and not any(dims[o] for o in spread):
+        for o, part in spread.items():   # the major block of the group stays a block
+          dims[o] = part
       else:
         src_dims[i] = ()     # split elsewhere in its group: gathered first
   value = ev.to(x, Placement(tuple(src_dims), x.place.partial))
   place = Placement(tuple(dims), x.place.partial)
   out = ev.bind(eqn, [value], new_sizes=ev.local_shape(dst_shape, place), dimensions=None)
   return [Local(out[0], place)]
+
+
+def _spread(ev, axes, dst_shape, o0: int, o1: int) -> dict | None:
+  """How the axes splitting a major dimension split the dimensions ``o0:o1`` it becomes
+  (``{dimension: axes}``), each device's block staying its block: the major axes, as many
+  as there are whole indices of a dimension, take one index each of it, and the rest
+  split the next; None where no such split exists (the dimension is gathered first)."""
+  out, o = {}, o0
+  while axes and o < o1:
+    if dst_shape[o] % ev.count(axes) == 0:
+      out[o] = axes
+      return out
+    k = next((k for k in range(len(axes) - 1, 0, -1)
+              if ev.count(axes[:k]) == dst_shape[o]), None)
+    if k is None:
+      return None
+    out[o], axes, o = axes[:k], axes[k:], o + 1
+  return None
 
 
 def _reshape_groups(src, dst):
