@@ -127,6 +127,14 @@ def jit_arguments(name):
       "partition_spec_under_set_mesh": (
           jax.jit(lambda: jnp.zeros((8, 4)), out_shardings=P("x")), lambda: (),
           lambda: jax.set_mesh(mesh)),
+      **{f"out_shardings_in_{kind}_memory": (
+          jax.jit(lambda x: (x * 2, x.T), out_shardings=(
+              NamedSharding(mesh, P("x"), memory_kind=kind), None)), lambda: (rows(),))
+         for kind in ("pinned_host", "unpinned_host")},
+      **{f"out_shardings_no_arguments_in_{kind}_memory": (
+          jax.jit(lambda: jnp.ones((8, 4)), out_shardings=NamedSharding(mesh, P("x"),
+                                                                       memory_kind=kind)),
+          lambda: ()) for kind in ("pinned_host", "unpinned_host")},
       "auto_reductions_and_transposes": (
           jax.jit(lambda x: (x.sum(0), x.sum(1), x.T, x.reshape(8, 8))), lambda: (rows(),)),
   }[name]
@@ -429,6 +437,9 @@ CASES = {
         "constant_output", "scatter_of_literal", "truncated_normal_bounds", "none_leaf",
         "static_argnums", "donate_argnums", "out_shardings_no_arguments",
         "in_and_out_shardings", "pjit_under_with_mesh", "partition_spec_under_set_mesh",
+        "out_shardings_in_pinned_host_memory", "out_shardings_in_unpinned_host_memory",
+        "out_shardings_no_arguments_in_pinned_host_memory",
+        "out_shardings_no_arguments_in_unpinned_host_memory",
         "auto_reductions_and_transposes")},
     **{f"distributed_arrays/{n}": (distributed_arrays, n) for n in (
         "sin", "dot", "copy", "add_ones_like", "add_arange", "devices_of_two_meshes_refused",

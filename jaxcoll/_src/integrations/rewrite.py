@@ -86,6 +86,7 @@ class _Options:
         else ()
     self.in_shardings, self.out_shardings = in_shardings, out_shardings
     self.in_flat = None   # the arguments' own shardings, flat (concrete arrays: rewrite)
+    self.memory = None    # output leaf -> declared host-memory sharding (rewrite fills it)
     self.strict = check_flag(strict, "use(strict=...)")
     self.casts = True   # pvary as jaxcoll's vary (False inside a global program's shard_map)
 
@@ -308,12 +309,12 @@ def _jit(opts, eqn, invals):
   def fn(*args):
     args = [a if s is None else jax.lax.with_sharding_constraint(a, s)
             for a, s in zip(args, ins)]
-    return tuple(o if s is None else jax.lax.with_sharding_constraint(o, s)
-                 for o, s in zip(body(*args), outs))
+    return tuple(body(*args))
 
   fn.__name__ = p.get("name", "jit")
   donate = tuple(i for i, d in enumerate(p.get("donated_invars", ())) if d)
-  return jax.jit(fn, donate_argnums=donate, keep_unused=p.get("keep_unused", False))(*invals)
+  return jax.jit(fn, donate_argnums=donate, keep_unused=p.get("keep_unused", False),
+                 out_shardings=tuple(outs))(*invals)   # None: unconstrained
 
 
 def _scan(opts, eqn, invals):
@@ -475,6 +476,7 @@ def rewrite(fun: Callable, opts: _Options) -> Callable:
   def jitted(flat, in_tree, dynamic, donated, layouts):
     given = copy.copy(opts)
     given.in_flat = None if layouts is None else list(layouts)
+    given.memory = {}   # output leaf -> a declared sharding in host memory (filled at trace)
     traced = _traced(fun, given)
     static = [None if i in dynamic else x for i, x in enumerate(flat)]   # no array kept
 
@@ -484,7 +486,15 @@ def rewrite(fun: Callable, opts: _Options) -> Callable:
         full[i] = x
       a, k = jax.tree.unflatten(in_tree, full)
       return traced(*a, **k)
-    return jax.jit(call, donate_argnums=tuple(k for k, i in enumerate(dynamic) if i in donated))
+    run = jax.jit(call, donate_argnums=tuple(k for k, i in enumerate(dynamic) if i in donated))
+
+    def moved(*arrays):   # host memory a device_put inside jit leaves unset (unpinned_host)
+      leaves, tree = jax.tree.flatten(run(*arrays))
+      return jax.tree.unflatten(tree, [jax.device_put(x, given.memory[i]) if i in given.memory
+                                       and x.sharding != given.memory[i] else x
+                                       for i, x in enumerate(leaves)])
+    moved.lower = run.lower
+    return moved
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
@@ -525,9 +535,13 @@ def _traced(fun: Callable, opts: _Options) -> Callable:
       if global_program is None:
         out = eval_jaxpr(opts, closed.jaxpr, closed.consts, leaves)
       else:
-        mesh, manual, places, out_places = global_program
+        mesh, manual, places, out_places, given_out = global_program
         out = spmd.run(closed, leaves, mesh, manual, places, spmd.options_for(opts),
                        opts.strict, out_places, _island(opts), opts.stack)
+        out = [_in_memory(o, s) for o, s in zip(out, given_out or [None] * len(out))]
+        if opts.memory is not None:
+          opts.memory.update({i: s for i, s in enumerate(given_out or ())
+                              if getattr(s, "memory_kind", None) not in (None, "device")})
     return jax.tree.unflatten(out_tree, out)
   return run
 
@@ -621,7 +635,16 @@ def _global_program(opts: _Options, closed, flat, in_tree, dynamic, out_tree):
   out_places = None if given_out is None else [
       from_spec(spmd.spec_of(s), len(v.aval.shape), manual) if s is not None else None
       for s, v in zip(given_out, closed.jaxpr.outvars)]
-  return mesh, manual, places, out_places
+  return mesh, manual, places, out_places, given_out
+
+
+def _in_memory(x, sharding):
+  """``x`` moved to the memory a declared output sharding names (``memory_kind``, e.g.
+  "pinned_host"), as jit's ``out_shardings`` moves it; as it is for device memory."""
+  kind = getattr(sharding, "memory_kind", None)
+  if kind is None or kind == "device":
+    return x
+  return jax.device_put(x, sharding)
 
 
 def _leaf_names(in_tree, dynamic) -> list[str]:
