@@ -424,7 +424,19 @@ def explicit_more(name):
     c = jnp.einsum("xy,yz->xz", a, b, out_sharding=P("x", None, unreduced={"y"}))
     return c[:2] + jax.reshard(w, P(None, None, reduced={"y"}))
 
+  with jax.set_mesh(mesh):
+    table = jax.device_put(jnp.arange(64.).reshape(16, 4), P(None, "y"))
+    ids = jax.device_put(jnp.array([1, 5, 9, 3, 0, 2, 4, 6]), P("x"))
+    rows = jax.device_put(jnp.array([0, 3, 5, 9]), P(None))
+
   return {
+      "closed_over_table_gather": (   # a laid-out constant of a nested jit: an input
+          jax.jit(lambda i: table.at[i].get(out_sharding=P("x", "y"))), lambda: (ids,), on),
+      "gather_out_sharding": (jax.jit(lambda t, i: t.at[i].get(out_sharding=P("x", None))),
+                              lambda: (table, ids), on),
+      "scatter_out_sharding": (
+          jax.jit(lambda a, i: a.at[i].set(1.0, out_sharding=P("x", "y"))),
+          lambda: (a, rows), on),
       "shard_map_over_some_axes": (jax.jit(manual_over_x), lambda: (a,), on),
       "add_of_reduced_and_unreduced_refused": (jax.jit(reduced_plus_unreduced),
                                                lambda: (a, b, w), on),
@@ -446,6 +458,7 @@ CASES = {
         "permuted_devices_refused", "sharding_constraint_transposed",
         "sharding_constraint_replicated")},
     **{f"explicit_more/{n}": (explicit_more, n) for n in (
+        "closed_over_table_gather", "gather_out_sharding", "scatter_out_sharding",
         "shard_map_over_some_axes", "add_of_reduced_and_unreduced_refused")},
     **{f"jit_compilation/{n}": (jit_compilation, n) for n in (
         "selu", "selu_unsharded", "value_condition_refused", "loop_on_value_refused",
@@ -702,3 +715,19 @@ def test_shard_map_with_unreduced_and_reduced_specs(program, check_vma, jitted):
   }
   f, args = programs[program]
   assert_like_jit(jax.jit(f) if jitted else f, lambda: args, lambda: jax.set_mesh(mesh))
+
+
+def test_the_unreduced_accumulator_is_reduced_once_by_jaxcoll():
+  """sharding-ad.md's microbatched step: gradients of reduced weights are unreduced, added
+  across a scan, and one ``reshard`` reduces them ("the one AllReduce"). Under use that
+  reduction is one jaxcoll all_reduce of the accumulator (3 x 4 x 4 floats), after the
+  loop, and the compiled step holds collective-permutes only."""
+  make, name = CASES["sharding_ad_301/unreduced_accumulator_scan"]
+  step, args, on = make(name)
+  with on():
+    used = jaxcoll.use(step, algorithm="ring")
+    report = jaxcoll.explain_step(used, *args())
+    counts = _hlo_collectives(used, *args())
+  assert [(x.what, x.nbytes, x.count) for x in report.collectives] == [
+      ("all_reduce", 3 * 4 * 4 * 4, 1)]
+  assert counts.pop("collective-permute") > 0 and not any(counts.values()), counts

@@ -608,10 +608,12 @@ def _global_program(opts: _Options, closed, flat, in_tree, dynamic, out_tree):
     return None
   names = tuple(mesh.axis_names)
   islands = _shard_map_axes(closed.jaxpr)
+  consts = [*closed.consts, *spmd.laid_out_consts(closed.jaxpr)]   # split ones split too
   if opts.axes is None:
     if not _computes_outside_shard_map(closed.jaxpr):
       return None
-    places = spmd.input_places(flat, names, given_in)
+    places = spmd.input_places([*flat, *consts], names, [*(given_in or [None] * len(flat)),
+                                                         *[None] * len(consts)])
     split = {a for p in places for a in p.sharded if mesh.shape[a] > 1}   # 1: nothing to say
     manual = tuple(a for a in names if a in split or a in islands)
     if not manual:

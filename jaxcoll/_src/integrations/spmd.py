@@ -88,8 +88,10 @@ class Evaluator:
 
   def __init__(self, sizes: dict, manual: tuple[str, ...], options: Callable,
                strict: bool = False, rewrite_island: Callable | None = None,
-               abstract: bool = False, known: dict | None = None):
+               abstract: bool = False, known: dict | None = None,
+               hoisted: dict | None = None):
     self.sizes, self.manual, self.strict = dict(sizes), tuple(manual), strict
+    self.hoisted = {} if hoisted is None else hoisted   # id(const) -> its piece (run)
     self.rewrite_island = rewrite_island
     self.known = {} if known is None else known   # bodies' placements (abstract_places)
     self.scopes: list[_Scope] = []
@@ -110,7 +112,13 @@ class Evaluator:
     find its carries' placements): the same placements, lax collectives in place of
     jaxcoll's (:class:`redistribute.Comm`), nothing recorded."""
     return Evaluator(self.sizes, self.manual, self.comm.options, self.strict,
-                     self.rewrite_island, abstract=True, known=self.known)
+                     self.rewrite_island, abstract=True, known=self.known,
+                     hoisted=self.hoisted)
+
+  def const(self, c) -> Local:
+    """A constant of a nested jaxpr: the program's input it entered as (:func:`run`), else
+    whole on every device."""
+    return self.hoisted.get(id(c)) or Local(c, replicated(jnp.ndim(c)))
 
   # ---- evaluation ----
 
@@ -498,6 +506,24 @@ def _differ(a, b) -> bool:
   return None not in devices and devices[0] != devices[1]
 
 
+def laid_out_consts(jaxpr) -> list:
+  """The constants of the jaxprs nested in ``jaxpr`` that are arrays laid out on a mesh
+  (each once): a shard_map may not close over them (an Explicit one's type names the mesh
+  outside it), so they enter the program as inputs."""
+  found: dict = {}
+
+  def walk(j):
+    for eqn in j.eqns:
+      for sub in compat.sub_jaxprs(eqn.params):
+        inner, consts = compat.open_jaxpr(sub)
+        for c in consts:
+          if isinstance(getattr(c, "sharding", None), jax.sharding.NamedSharding):
+            found.setdefault(id(c), c)
+        walk(inner)
+  walk(jaxpr)
+  return list(found.values())
+
+
 def run(closed, leaves, mesh, manual: tuple[str, ...], places: Sequence[Placement],
         options: Callable, strict: bool = False, out_places=None,
         rewrite_island: Callable | None = None, stack: Callable | None = None):
@@ -510,15 +536,17 @@ def run(closed, leaves, mesh, manual: tuple[str, ...], places: Sequence[Placemen
   transpose (``jax.grad`` of the result) sums nothing itself: the sum runs as the stack's
   transpose, a jaxcoll all_reduce."""
   sizes = {a: int(mesh.shape[a]) for a in manual}
-  n = len(leaves)   # the program's constants enter as inputs too: no closure over them
-  leaves = [*leaves, *closed.consts]
-  places = [*places, *input_places(closed.consts, manual)]
+  n, m = len(leaves), len(closed.consts)   # the program's constants enter as inputs too,
+  nested = laid_out_consts(closed.jaxpr)  # nested jaxprs' laid-out ones: no closure over them
+  leaves = [*leaves, *closed.consts, *nested]
+  places = [*places, *input_places([*closed.consts, *nested], manual)]
 
   def body(stacked, *locals_):
     """The program on this device's pieces: ``(outputs, their specs)``."""
-    ev = Evaluator(sizes, manual, options, strict, rewrite_island)
     pieces = [Local(v[0] if s else v, p) for v, s, p in zip(locals_, stacked, places)]
-    args, consts = pieces[:n], pieces[n:]
+    args, consts = pieces[:n], pieces[n:n + m]
+    ev = Evaluator(sizes, manual, options, strict, rewrite_island,
+                   hoisted={id(c): x for c, x in zip(nested, pieces[n + m:])})
     chosen: list = []
 
     def targets(outs):   # where the outputs fall (out_places where given)

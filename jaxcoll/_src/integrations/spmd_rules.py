@@ -792,7 +792,7 @@ def _identity(ev, eqn, ins):
 def _inline(key: str):
   def rule(ev, eqn, ins):
     jaxpr, consts = compat.open_jaxpr(eqn.params[key])
-    return ev.run_jaxpr(jaxpr, [Local(c, replicated(jnp.ndim(c))) for c in consts], ins,
+    return ev.run_jaxpr(jaxpr, [ev.const(c) for c in consts], ins,
                         inline=True)
   return rule
 
@@ -857,7 +857,7 @@ def abstract_places(ev, jaxpr, consts, places, carried=()) -> list[Placement]:
 
   def run(*values):
     sub = ev.fresh()
-    outs = sub.run_jaxpr(jaxpr, [Local(c, replicated(jnp.ndim(c))) for c in consts],
+    outs = sub.run_jaxpr(jaxpr, [ev.const(c) for c in consts],
                          [Local(v, p, carried=i in carried)
                           for i, (v, p) in enumerate(zip(values, places))])
     found["places"] = [o.place for o in outs]
@@ -885,7 +885,7 @@ def _fixed_carry(places_of, carry: list[Placement], rounds: int = 6):
 
 def _run_body(ev, jaxpr, consts, args: list[Local], targets: list[Placement]) -> list:
   """A loop or branch body on per-device ``args``, its outputs moved to ``targets``."""
-  return ev.run_jaxpr(jaxpr, [Local(c, replicated(jnp.ndim(c))) for c in consts], args,
+  return ev.run_jaxpr(jaxpr, [ev.const(c) for c in consts], args,
                       targets)
 
 
