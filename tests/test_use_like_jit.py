@@ -101,6 +101,7 @@ def jit_arguments(name):
     return w - lr * jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
 
   pjit_mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+  explicit_mesh = _mesh((8,), ("x",))
   return {
       "python_int": (jax.jit(lambda x: x + 2), lambda: (1,)),
       "python_float": (jax.jit(lambda x: x * 2), lambda: (1.5,)),
@@ -135,6 +136,19 @@ def jit_arguments(name):
           jax.jit(lambda: jnp.ones((8, 4)), out_shardings=NamedSharding(mesh, P("x"),
                                                                        memory_kind=kind)),
           lambda: ()) for kind in ("pinned_host", "unpinned_host")},
+      "in_shardings_partition_spec_under_set_mesh": (
+          jax.jit(lambda w, x: jax.grad(lambda w: ((x @ w) ** 2).mean())(w),
+                  in_shardings=(P(), P("x"))),
+          lambda: (np.ones(4, np.float32), np.arange(64, dtype=np.float32).reshape(16, 4)),
+          lambda: jax.set_mesh(mesh)),
+      "in_shardings_partition_spec_explicit_mesh": (
+          jax.jit(lambda x: x.sum(0), in_shardings=P("x")),
+          lambda: (np.ones((16, 4), np.float32),),
+          lambda: jax.set_mesh(explicit_mesh)),
+      "out_shardings_partition_spec_explicit_mesh": (
+          jax.jit(lambda x: x * 2, out_shardings=P("x")),
+          lambda: (np.ones((16, 4), np.float32),),
+          lambda: jax.set_mesh(explicit_mesh)),
       "auto_reductions_and_transposes": (
           jax.jit(lambda x: (x.sum(0), x.sum(1), x.T, x.reshape(8, 8))), lambda: (rows(),)),
   }[name]
@@ -452,6 +466,8 @@ CASES = {
         "out_shardings_in_pinned_host_memory", "out_shardings_in_unpinned_host_memory",
         "out_shardings_no_arguments_in_pinned_host_memory",
         "out_shardings_no_arguments_in_unpinned_host_memory",
+        "in_shardings_partition_spec_under_set_mesh", "in_shardings_partition_spec_explicit_mesh",
+        "out_shardings_partition_spec_explicit_mesh",
         "auto_reductions_and_transposes")},
     **{f"distributed_arrays/{n}": (distributed_arrays, n) for n in (
         "sin", "dot", "copy", "add_ones_like", "add_arange", "devices_of_two_meshes_refused",

@@ -39,6 +39,7 @@ from jaxcoll._src.integrations.placement import (
   Local,
   Placement,
   entries,
+  explicit,
   from_spec,
   replicated,
   with_leading,
@@ -563,6 +564,10 @@ def run(closed, leaves, mesh, manual: tuple[str, ...], places: Sequence[Placemen
     for i, p in enumerate(places):
       missing = tuple(a for a in manual if a not in p.used)
       spec = p.spec()
+      typed = getattr(jax.typeof(leaves[i]), "sharding", None)
+      if explicit(mesh, manual) and from_spec(getattr(typed, "spec", None), p.ndim,
+                                              manual) != p:   # declared: jit moves it
+        leaves[i] = jax.sharding.reshard(leaves[i], spec)
       if stack is not None and missing:
         leaves[i] = stack(leaves[i], mesh, missing, entries(spec))
         spec = with_leading(spec, missing)
