@@ -444,6 +444,9 @@ def explicit_more(name):
     rows = jax.device_put(jnp.array([0, 3, 5, 9]), P(None))
 
   return {
+      "reshape_out_sharding": (   # it was gathered over y: 4x the memory per device
+          jax.jit(lambda a: jnp.reshape(a, (16, 2, 4), out_sharding=P("x", None, "y"))),
+          lambda: (a,), on),
       "closed_over_table_gather": (   # a laid-out constant of a nested jit: an input
           jax.jit(lambda i: table.at[i].get(out_sharding=P("x", "y"))), lambda: (ids,), on),
       "gather_out_sharding": (jax.jit(lambda t, i: t.at[i].get(out_sharding=P("x", None))),
@@ -474,7 +477,8 @@ CASES = {
         "permuted_devices_refused", "sharding_constraint_transposed",
         "sharding_constraint_replicated")},
     **{f"explicit_more/{n}": (explicit_more, n) for n in (
-        "closed_over_table_gather", "gather_out_sharding", "scatter_out_sharding",
+        "reshape_out_sharding", "closed_over_table_gather", "gather_out_sharding",
+        "scatter_out_sharding",
         "shard_map_over_some_axes", "add_of_reduced_and_unreduced_refused")},
     **{f"jit_compilation/{n}": (jit_compilation, n) for n in (
         "selu", "selu_unsharded", "value_condition_refused", "loop_on_value_refused",

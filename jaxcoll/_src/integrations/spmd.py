@@ -290,7 +290,7 @@ class Evaluator:
     used, dims = set(whole.sharded), []
     for have, split, n in zip(whole.dims, operand.place.dims, eqn.outvars[0].aval.shape):
       fits = [split[:k] for k in range(len(split), 0, -1)   # the longest major part
-              if not used & set(split[:k]) and n % math.prod(self.sizes[a] for a in split[:k]) == 0]
+              if not used & set(split[:k]) and n % self.count(split[:k]) == 0]
       dims.append(have or (fits[0] if fits else ()))
       used |= set(dims[-1])
     return None if tuple(dims) == whole.dims else Placement(tuple(dims))
