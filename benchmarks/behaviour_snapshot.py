@@ -2,10 +2,10 @@
 
 Three parts, each a dict from a case to a digest:
 
-- ``auto``: auto's pick (algorithm, and whether the model may leave native) for every preset
-  profile, primitive, 12 mesh shapes (1 to 3 axes, 2 to 64 devices), 5 message sizes, with
-  and without native allowed: 6 x 7 x 12 x 5 x 2 = 5,040 cases
-  (``jaxcoll._src.dispatch.choose``, no device needed).
+- ``auto``: auto's pick (``jaxcoll.tools.decide``, the one decision, its label) for every
+  preset profile, primitive, 12 mesh shapes (1 to 3 axes, 2 to 64 devices), 5 message
+  sizes, with and without native allowed: 6 x 7 x 12 x 5 x 2 = 5,040 cases (no device
+  needed).
 - ``programs``: the StableHLO (no debug locations) of every primitive x algorithm program,
   over one axis of 8 devices and over two axes (2, 4), plain and with an int8 wire where the
   primitive compresses; a case that raises records its error.
@@ -47,21 +47,19 @@ def _digest(text: str) -> str:
 
 
 def auto_picks() -> dict:
-  from jaxcoll._src import dispatch
-  from jaxcoll._src.profile import PRESET_NAMES, Profile
-  from jaxcoll._src.spec import PRIMITIVES
+  import jaxcoll
+  from jaxcoll.tools import Call, Pricing, decide
   out = {}
-  for name in PRESET_NAMES:
-    profile = Profile.preset(name)
-    for primitive in PRIMITIVES:
+  for name in jaxcoll.Profile.preset_names():
+    pricing = Pricing(jaxcoll.Profile.preset(name))
+    for primitive in jaxcoll.PRIMITIVES:
       for shape in MESHES:
         names = tuple("abc"[:len(shape)])
         for nbytes in SIZES:
           for native in (True, False):
-            chosen = dispatch.choose(primitive, names, shape, nbytes, profile,
-                                     native_allowed=native)
-            out[f"{name}/{primitive}/{shape}/{nbytes}/native={native}"] = repr(
-                getattr(chosen, "algorithm", chosen))
+            chosen = decide(Call(primitive, names, shape, nbytes, native_allowed=native),
+                            "auto", pricing)
+            out[f"{name}/{primitive}/{shape}/{nbytes}/native={native}"] = chosen.label
   return out
 
 
@@ -77,7 +75,6 @@ def _call(primitive, x, axes, algorithm, **extra):
 
 def programs() -> dict:
   import jaxcoll
-  from jaxcoll._src.spec import PRIMITIVES
   out = {}
   meshes = {"x8": jax.make_mesh((8,), ("x",)), "x2y4": jax.make_mesh((2, 4), ("x", "y"))}
   for mesh_name, mesh in meshes.items():
@@ -86,7 +83,7 @@ def programs() -> dict:
     spec = P(axes)
     x = jax.ShapeDtypeStruct((8 * 64,), jnp.float32,
                              sharding=jax.sharding.NamedSharding(mesh, spec))
-    for primitive in PRIMITIVES:
+    for primitive in jaxcoll.PRIMITIVES:
       for algorithm in jaxcoll.algorithms(primitive):
         wires = [{}] + ([{"wire_dtype": "int8"}]
                         if primitive in ("all_reduce", "reduce_scatter", "all_gather") else [])

@@ -244,8 +244,19 @@ class Profile:
   # -------------------------------------------------------------- presets and JSON
 
   @staticmethod
+  def preset_names() -> tuple[str, ...]:
+    """The names :meth:`preset` takes, sorted.
+
+    Example:
+      >>> import jaxcoll
+      >>> "cpu" in jaxcoll.Profile.preset_names()
+      True
+    """
+    return PRESET_NAMES
+
+  @staticmethod
   def preset(name: str) -> Profile:
-    """A built-in profile: one of :data:`PRESET_NAMES` (sources in the module docstring)."""
+    """A built-in profile: one of :meth:`preset_names` (sources in the module docstring)."""
     if name in MEASURED:
       return _measured(name)
     if name not in PRESETS:
