@@ -535,9 +535,9 @@ def _traced(fun: Callable, opts: _Options) -> Callable:
       if global_program is None:
         out = eval_jaxpr(opts, closed.jaxpr, closed.consts, leaves)
       else:
-        mesh, manual, places, out_places, given_out = global_program
+        mesh, manual, places, out_places, given_out, nested = global_program
         out = spmd.run(closed, leaves, mesh, manual, places, spmd.options_for(opts),
-                       opts.strict, out_places, _island(opts), opts.stack)
+                       opts.strict, out_places, _island(opts), opts.stack, nested)
         out = [_in_memory(o, s) for o, s in zip(out, given_out or [None] * len(out))]
         if opts.memory is not None:
           opts.memory.update({i: s for i, s in enumerate(given_out or ())
@@ -589,9 +589,10 @@ def _static_key(x):
 
 
 def _global_program(opts: _Options, closed, flat, in_tree, dynamic, out_tree):
-  """``(mesh, manual axes, input placements, output placements or None)`` when ``closed`` is
-  a global program to run per device (:mod:`spmd`): it computes on sharded values outside
-  any shard_map; None for a program of shard_maps (rewritten in place).
+  """``(mesh, manual axes, input placements, output placements or None, output shardings
+  or None, the nested jaxprs' laid-out constants)`` when ``closed`` is a global program to
+  run per device (:mod:`spmd`): it computes on sharded values outside any shard_map; None
+  for a program of shard_maps (rewritten in place).
 
   ``flat``: the argument leaves that are arrays, at ``dynamic`` among ``in_tree``'s.
   Input layouts: ``use(in_shardings=)``, else a jitted function's own ``in_shardings``
@@ -608,7 +609,8 @@ def _global_program(opts: _Options, closed, flat, in_tree, dynamic, out_tree):
     return None
   names = tuple(mesh.axis_names)
   islands = _shard_map_axes(closed.jaxpr)
-  consts = [*closed.consts, *spmd.laid_out_consts(closed.jaxpr)]   # split ones split too
+  nested = spmd.laid_out_consts(closed.jaxpr)
+  consts = [*closed.consts, *nested]   # split constants split the program too
   if opts.axes is None:
     if not _computes_outside_shard_map(closed.jaxpr):
       return None
@@ -637,7 +639,7 @@ def _global_program(opts: _Options, closed, flat, in_tree, dynamic, out_tree):
   out_places = None if given_out is None else [
       from_spec(spmd.spec_of(s), len(v.aval.shape), manual) if s is not None else None
       for s, v in zip(given_out, closed.jaxpr.outvars)]
-  return mesh, manual, places, out_places, given_out
+  return mesh, manual, places, out_places, given_out, nested
 
 
 def _in_memory(x, sharding):

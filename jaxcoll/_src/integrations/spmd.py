@@ -232,9 +232,7 @@ class Evaluator:
     self._reduce([local for _, local in waiting], wanted)
     for var, local in waiting:   # each where it is headed, as if it had been reduced itself
       derived = self.derive(local)
-      target = self.headed_for(scope, var, local.place)
-      if wanted and local.key in wanted and not wanted[local.key].partial:
-        target = Placement(wanted[local.key].dims)
+      target = _asked(wanted, local.key) or self.headed_for(scope, var, local.place)
       if derived.place != target:
         derived = Local(redistribute(derived.value, derived.place, target, self.comm), target)
       self._set(scope, var, derived)
@@ -247,9 +245,7 @@ class Evaluator:
     sources = choose(members, reduced)
     if not sources:
       return
-    wanted = wanted or {}
-    targets = [Placement(wanted[s.key].dims) if s.key in wanted and not wanted[s.key].partial
-               else self._headed(s) for s in sources]
+    targets = [_asked(wanted, s.key) or self._headed(s) for s in sources]
     values = reduce_many([(s.value, s.place, t) for s, t in zip(sources, targets)], self.comm)
     for s, value, target in zip(sources, values, targets):
       reduced[s.key] = Local(value, target, key=s.key)
@@ -507,6 +503,13 @@ def _differ(a, b) -> bool:
   return None not in devices and devices[0] != devices[1]
 
 
+def _asked(wanted: dict | None, key) -> Placement | None:
+  """The whole placement ``wanted`` asks for the value ``key`` (a split to reduce-scatter
+  to), None where it asks for none or for one still partial."""
+  place = (wanted or {}).get(key)
+  return None if place is None or place.partial else Placement(place.dims)
+
+
 def laid_out_consts(jaxpr) -> list:
   """The constants of the jaxprs nested in ``jaxpr`` that are arrays laid out on a mesh
   (each once): a shard_map may not close over them (an Explicit one's type names the mesh
@@ -527,18 +530,19 @@ def laid_out_consts(jaxpr) -> list:
 
 def run(closed, leaves, mesh, manual: tuple[str, ...], places: Sequence[Placement],
         options: Callable, strict: bool = False, out_places=None,
-        rewrite_island: Callable | None = None, stack: Callable | None = None):
+        rewrite_island: Callable | None = None, stack: Callable | None = None,
+        nested: Sequence = ()):
   """``closed`` (a closed jaxpr of global values) on ``leaves`` placed as ``places``, per
   device in one shard_map over ``manual``; returns the outputs, laid out as their final
-  placements (or ``out_places`` where given, a placement or None per output).
+  placements (or ``out_places`` where given, a placement or None per output). ``nested``:
+  the nested jaxprs' laid-out constants (:func:`laid_out_consts`), which enter as inputs.
 
   ``stack(x, mesh, axes, spec)`` (:func:`varying.stack`), where given, makes an input
   replicated over some manual axes one copy per device of them, so that the shard_map's
   transpose (``jax.grad`` of the result) sums nothing itself: the sum runs as the stack's
   transpose, a jaxcoll all_reduce."""
   sizes = {a: int(mesh.shape[a]) for a in manual}
-  n, m = len(leaves), len(closed.consts)   # the program's constants enter as inputs too,
-  nested = laid_out_consts(closed.jaxpr)  # nested jaxprs' laid-out ones: no closure over them
+  n, m = len(leaves), len(closed.consts)   # the constants enter as inputs: no closure
   leaves = [*leaves, *closed.consts, *nested]
   places = [*places, *input_places([*closed.consts, *nested], manual)]
 
@@ -561,12 +565,12 @@ def run(closed, leaves, mesh, manual: tuple[str, ...], places: Sequence[Placemen
 
   def program(*leaves):   # under jit: a stack is a broadcast whose copies stay where they are
     leaves, in_specs, stacked = list(leaves), [], []
+    typed_here = explicit(mesh, manual)   # a type names the layout: a declared one moves it
     for i, p in enumerate(places):
       missing = tuple(a for a in manual if a not in p.used)
       spec = p.spec()
       typed = getattr(jax.typeof(leaves[i]), "sharding", None)
-      if explicit(mesh, manual) and from_spec(getattr(typed, "spec", None), p.ndim,
-                                              manual) != p:   # declared: jit moves it
+      if typed_here and from_spec(getattr(typed, "spec", None), p.ndim, manual) != p:
         leaves[i] = jax.sharding.reshard(leaves[i], spec)
       if stack is not None and missing:
         leaves[i] = stack(leaves[i], mesh, missing, entries(spec))

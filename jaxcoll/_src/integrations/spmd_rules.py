@@ -755,7 +755,7 @@ def _to_named(ev, eqn, ins):
         f"program per device over {ev.manual}; expected one mesh for the whole program "
         "(run this one under jax.jit)")
   if sharding is None or (eqn.primitive.name != "sharding_constraint" and
-                          not explicit(getattr(sharding, "mesh", None), ev.manual)):
+                          not explicit(mesh, ev.manual)):
     return [x]
   target = from_spec(getattr(sharding, "spec", None), x.place.ndim, ev.manual)
   if not ev.splits(eqn.invars[0].aval.shape, target):
