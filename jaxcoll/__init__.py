@@ -1,9 +1,9 @@
 """jaxcoll: custom collective communication for JAX, built from ppermute schedules."""
 
 from jaxcoll import distributed, extend, fsdp, kernels, moe, optax, tools
-from jaxcoll._src.algorithms import algorithms, schedule
-from jaxcoll._src.algorithms.hierarchical import Hierarchical
-from jaxcoll._src.calibrate import calibrate
+from jaxcoll._src.auto.calibrate import calibrate
+from jaxcoll._src.auto.explain import Explanation, Explanations, explain
+from jaxcoll._src.auto.profile import Link, NativeTimes, Profile
 from jaxcoll._src.collectives import (
   all_gather,
   all_reduce,
@@ -14,19 +14,19 @@ from jaxcoll._src.collectives import (
   shift,
 )
 from jaxcoll._src.config import config
-from jaxcoll._src.explain import Explanation, Explanations, explain
-from jaxcoll._src.integrations.data_parallel import data_parallel
-from jaxcoll._src.integrations.per_device import PerDevice
-from jaxcoll._src.integrations.rewrite import use
-from jaxcoll._src.integrations.step_report import StepReport, explain_step
-from jaxcoll._src.integrations.sync import sync_gradients, sync_in_backward
-from jaxcoll._src.profile import Link, NativeTimes, Profile
-from jaxcoll._src.registration import register
-from jaxcoll._src.schedule import PRIMITIVES, AxisTraffic, Schedule, Step, Transfer
+from jaxcoll._src.schedules.algorithms import algorithms, schedule
+from jaxcoll._src.schedules.algorithms.hierarchical import Hierarchical
+from jaxcoll._src.schedules.register import register
+from jaxcoll._src.schedules.schedule import PRIMITIVES, AxisTraffic, Schedule, Step, Transfer
 from jaxcoll._src.spec import CollectiveSpec, spec
 from jaxcoll._src.table import Table
 from jaxcoll._src.traffic import Traffic, traffic
-from jaxcoll._src.wire import WIRE_DTYPES, WireFormat
+from jaxcoll._src.training.data_parallel import data_parallel
+from jaxcoll._src.training.gradient_sync import sync_gradients, sync_in_backward
+from jaxcoll._src.training.per_device import PerDevice
+from jaxcoll._src.use.rewrite import use
+from jaxcoll._src.use.step_report import StepReport, explain_step
+from jaxcoll._src.wire.formats import WIRE_DTYPES, WireFormat
 
 __version__ = "0.1.0"
 

@@ -13,7 +13,7 @@ after printing its traceback: a normal exit would first wait in
 collective for this process, so the launcher would see the failure only when a
 timeout fires (``jax.distributed``'s heartbeats; measured:
 docs/measurements.md#multi-process-cpu-jobs). Then every process publishes its host
-(:mod:`jaxcoll._src.topology`) and reads every other's, once. Otherwise it
+(:mod:`jaxcoll._src.auto.topology`) and reads every other's, once. Otherwise it
 defers to ``jax.distributed.initialize()``, whose own cluster detection covers
 SLURM, Open MPI, Kubernetes and cloud TPU jobs unchanged.
 """
@@ -89,11 +89,11 @@ def initialize(**kwargs) -> None:
 
 
 def _exchange_hosts() -> None:
-  """Every process learns every other's host (:mod:`jaxcoll._src.topology`: links between
+  """Every process learns every other's host (:mod:`jaxcoll._src.auto.topology`: links between
   processes on one host are priced apart from links between hosts)."""
   import jax
 
-  from jaxcoll._src import topology
+  from jaxcoll._src.auto import topology
   client = compat.distributed_client()
   if client is not None and jax.process_count() > 1:
     topology.exchange_hosts(client, jax.process_index(), jax.process_count())

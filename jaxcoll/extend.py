@@ -24,7 +24,7 @@ names of the lax collective and of auto among the schedules (:data:`NATIVE`,
 :func:`record_in_use`, :func:`record_repeated`, :func:`record_where`).
 """
 
-from jaxcoll._src.algorithms import NATIVE, SCHEDULE
+from jaxcoll._src.auto.dispatch import NATIVE_MARGIN
 from jaxcoll._src.axes import index as axis_index
 from jaxcoll._src.axes import normalize as normalize_axes
 from jaxcoll._src.axes import size as axis_size
@@ -40,7 +40,7 @@ from jaxcoll._src.checks import integer as check_int
 from jaxcoll._src.checks import number as check_number
 from jaxcoll._src.collectives import algorithm_of
 from jaxcoll._src.config import check_choice
-from jaxcoll._src.dispatch import NATIVE_MARGIN
+from jaxcoll._src.invariant import check_vma_enabled, make_varying
 from jaxcoll._src.ops import check_op
 from jaxcoll._src.record import Line as ReportLine
 from jaxcoll._src.record import at as record_at
@@ -50,12 +50,12 @@ from jaxcoll._src.record import paused as record_paused
 from jaxcoll._src.record import recording
 from jaxcoll._src.record import repeated as record_repeated
 from jaxcoll._src.record import where as record_where
-from jaxcoll._src.replicas import varying
-from jaxcoll._src.replicated import check_vma_enabled, make_varying
-from jaxcoll._src.rounding import check as check_rounding
-from jaxcoll._src.rounding import low_precision, round_to
+from jaxcoll._src.schedules.algorithms import NATIVE, SCHEDULE
 from jaxcoll._src.units import format_seconds, format_size
-from jaxcoll._src.wire import compresses, wire_format
+from jaxcoll._src.varying_axes import varying
+from jaxcoll._src.wire.formats import compresses, wire_format
+from jaxcoll._src.wire.rounding import check as check_rounding
+from jaxcoll._src.wire.rounding import low_precision, round_to
 
 __all__ = (
     "NATIVE",

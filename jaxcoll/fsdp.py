@@ -1,7 +1,7 @@
 """jaxcoll.fsdp: sharded-parameter training (FSDP / ZeRO-3) with ZeRO++'s quantized and
 hierarchical options."""
 
-from jaxcoll._src.integrations.fsdp import (
+from jaxcoll._src.training.fsdp import (
   Sharded,
   gather,
   layer,
@@ -10,7 +10,7 @@ from jaxcoll._src.integrations.fsdp import (
   specs,
   unshard,
 )
-from jaxcoll._src.integrations.fsdp_step import State, TrainStep, train_step
+from jaxcoll._src.training.fsdp_step import State, TrainStep, train_step
 
 __all__ = ("Sharded", "State", "TrainStep", "gather", "layer", "place", "shard",
            "specs", "train_step", "unshard")

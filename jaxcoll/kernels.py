@@ -8,7 +8,7 @@ makes a compressed chunk (values and the ``recv_exponents`` the kernel takes);
 :meth:`jaxcoll.WireFormat.decode` reads it back as every receiver does.
 """
 
-from jaxcoll._src.fused_combine import (
+from jaxcoll._src.wire.fused_combine import (
   ROUNDINGS,
   fused_combine,
   fused_combine_reference,

@@ -1,6 +1,8 @@
 """jaxcoll.moe: expert-parallel mixture-of-experts routing, dispatch and combine."""
 
-from jaxcoll._src.integrations.moe import (
+from jaxcoll._src.moe.cost import MoECall, MoEExplanation, capacity
+from jaxcoll._src.moe.cost import explain_moe as explain
+from jaxcoll._src.moe.dispatch_combine import (
   RoutingState,
   combine,
   dispatch,
@@ -12,11 +14,9 @@ from jaxcoll._src.integrations.moe import (
   router_z_loss,
   total_dropped,
 )
-from jaxcoll._src.integrations.moe_cost import MoECall, MoEExplanation, capacity
-from jaxcoll._src.integrations.moe_cost import explain_moe as explain
-from jaxcoll._src.integrations.moe_gmm import grouped_matmul
-from jaxcoll._src.integrations.moe_layer import init_layer, layer
-from jaxcoll._src.integrations.moe_routers import route_biased, route_experts, update_bias
+from jaxcoll._src.moe.grouped_matmul import grouped_matmul
+from jaxcoll._src.moe.layer import init_layer, layer
+from jaxcoll._src.moe.routers import route_biased, route_experts, update_bias
 
 __all__ = ("MoECall", "MoEExplanation", "RoutingState", "capacity", "combine", "dispatch",
            "dispatch_chosen", "expert_load", "explain", "grouped_matmul", "init_layer", "jitter",

@@ -1,5 +1,5 @@
 """jaxcoll.optax: gradient sync as optax transformations (optax itself is optional)."""
 
-from jaxcoll._src.integrations.optax_sync import SyncState, sync
+from jaxcoll._src.training.optax_transform import SyncState, sync
 
 __all__ = ("SyncState", "sync")

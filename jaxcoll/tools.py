@@ -15,12 +15,9 @@ and times as people write them (:func:`parse_size`, :func:`format_size`,
 ``jaxcoll`` namespace. What integrations are built with is :mod:`jaxcoll.extend`.
 """
 
-from jaxcoll._src.algorithms import NATIVE, SCHEDULE, label
-from jaxcoll._src.calibrate import Measurements, fit, measure
-from jaxcoll._src.checks import axes_in_mesh, mesh_shape
-from jaxcoll._src.collectives import algorithm_of, flat_call
-from jaxcoll._src.cost import native_equivalents
-from jaxcoll._src.dispatch import (
+from jaxcoll._src.auto.calibrate import Measurements, fit, measure
+from jaxcoll._src.auto.cost import native_equivalents
+from jaxcoll._src.auto.dispatch import (
     NATIVE_MARGIN,
     Call,
     Candidate,
@@ -30,11 +27,14 @@ from jaxcoll._src.dispatch import (
     decide,
     profile_in_use,
 )
-from jaxcoll._src.integrations.step_report import flops_of
-from jaxcoll._src.registration import unregister
+from jaxcoll._src.checks import axes_in_mesh, mesh_shape
+from jaxcoll._src.collectives import algorithm_of, flat_call
+from jaxcoll._src.schedules.algorithms import NATIVE, SCHEDULE, label
+from jaxcoll._src.schedules.register import unregister
 from jaxcoll._src.spec import CollectiveSpec, primitives, spec
 from jaxcoll._src.timing import interleaved
 from jaxcoll._src.units import format_seconds, format_size, parse_size
+from jaxcoll._src.use.step_report import flops_of
 
 __all__ = (
     "NATIVE",

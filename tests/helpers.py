@@ -184,8 +184,7 @@ def auto_disagreements(mesh: Mesh, profile, *, primitives=("all_reduce", "all_ga
 
   import jaxcoll
   import jaxcoll.bench
-  from jaxcoll._src import debug_log
-
+  from jaxcoll._src.auto import debug_log
   lines: list[str] = []
   handler = logging.Handler()
   handler.emit = lambda record: lines.append(record.getMessage())

@@ -95,7 +95,7 @@ def fail() -> None:
 
 def topology() -> None:
   """The link classes read from the devices across two processes on one host."""
-  from jaxcoll._src import topology as topo
+  from jaxcoll._src.auto import topology as topo
   assert topo.hosts(2) == (0, 0), topo._hosts               # both ranks on this host
   devices = np.array(jax.devices())
   flat = Mesh(devices, ("x",))
@@ -133,7 +133,7 @@ def topology() -> None:
 def plain_topology() -> None:
   """No jaxcoll table: the hosts come from jax's own topology exchange (one boot id)."""
   from jaxcoll._src import compat
-  from jaxcoll._src import topology as topo
+  from jaxcoll._src.auto import topology as topo
   assert topo._hosts is None
   jax.devices()   # the backend up: its topology exchange done
   ids = compat.boot_ids(2, "cpu")

@@ -47,8 +47,9 @@ def imports(name: str) -> set[str]:
 
 
 def test_the_reader_sees_every_module():
-  assert {"jaxcoll", "jaxcoll._src.executor", "jaxcoll._src.algorithms.ring"} <= MODULES.keys()
-  assert "jaxcoll._src.algorithms.registry" in imports("jaxcoll._src.algorithms.ring")
+  ring = "jaxcoll._src.schedules.algorithms.ring"
+  assert {"jaxcoll", "jaxcoll._src.schedules.executor", ring} <= MODULES.keys()
+  assert "jaxcoll._src.schedules.algorithms.registry" in imports(ring)
 
 
 def test_no_import_cycle():
@@ -68,11 +69,12 @@ def reachable(name: str) -> set[str]:
   return seen
 
 
-@pytest.mark.parametrize("module", ["jaxcoll._src.cost", "jaxcoll._src.plan",
-                                    "jaxcoll._src.schedule", "jaxcoll._src.algorithms"])
+@pytest.mark.parametrize("module", ["jaxcoll._src.auto.cost", "jaxcoll._src.schedules.plan",
+                                    "jaxcoll._src.schedules.schedule",
+                                    "jaxcoll._src.schedules.algorithms"])
 def test_pricing_and_schedules_never_import_the_runtime(module):
   """Schedules, their plan and their price are NumPy: no executor, no collectives."""
-  assert not reachable(module) & {"jaxcoll._src.executor", "jaxcoll._src.collectives"}
+  assert not reachable(module) & {"jaxcoll._src.schedules.executor", "jaxcoll._src.collectives"}
 
 
 REPO = ROOT.parent
@@ -101,7 +103,7 @@ def private_imports(path: pathlib.Path) -> set[str]:
 def test_the_reader_sees_the_tools_and_private_imports():
   names = {p.relative_to(REPO).as_posix() for p in OUTSIDE}
   assert {"jaxcoll/bench.py", "benchmarks/bench_dispatch.py", "examples/quickstart.py"} <= names
-  assert private_imports(ROOT / "_src" / "explain.py") >= {"jaxcoll._src.dispatch"}
+  assert private_imports(ROOT / "_src" / "auto" / "explain.py") >= {"jaxcoll._src.auto.dispatch"}
 
 
 @pytest.mark.parametrize("path", OUTSIDE, ids=lambda p: p.relative_to(REPO).as_posix())
@@ -113,7 +115,7 @@ def test_benchmarks_examples_and_the_bench_use_only_the_public_api(path):
 
 def _algorithm_names() -> set[str]:
   import jaxcoll
-  from jaxcoll._src.algorithms import entries
+  from jaxcoll._src.schedules.algorithms import entries
   return {a.name for p in jaxcoll.PRIMITIVES for a in entries(p)}
 
 
@@ -141,7 +143,7 @@ def algorithm_literals(path: pathlib.Path, names: set[str]) -> list[tuple[int, s
 def test_the_reader_sees_algorithm_literals():
   names = _algorithm_names()
   assert {"ring", "hierarchical", "direct"} <= names
-  assert algorithm_literals(ROOT / "_src" / "algorithms" / "ring.py", names)
+  assert algorithm_literals(ROOT / "_src" / "schedules" / "algorithms" / "ring.py", names)
 
 
 NAMING = sorted(p for p in ROOT.rglob("*.py") if "algorithms" not in p.relative_to(ROOT).parts)
@@ -149,12 +151,13 @@ NAMING = sorted(p for p in ROOT.rglob("*.py") if "algorithms" not in p.relative_
 
 @pytest.mark.parametrize("path", NAMING, ids=lambda p: p.relative_to(REPO).as_posix())
 def test_no_algorithm_is_named_outside_algorithms(path):
-  """Only ``jaxcoll/_src/algorithms/`` names algorithms: everything else reads the registry's
-  metadata (stages, native equivalents, what calibrate fits, options auto tries)."""
+  """Only ``jaxcoll/_src/schedules/algorithms/`` names algorithms: everything else reads the
+  registry's metadata (stages, native equivalents, what calibrate fits, options auto tries)."""
   assert not algorithm_literals(path, _algorithm_names())
 
 
-INTEGRATIONS = sorted((ROOT / "_src" / "integrations").glob("*.py"))
+TOPICS = ("use", "training", "moe")   # built on the public API, as a user's code is
+INTEGRATIONS = sorted(p for topic in TOPICS for p in (ROOT / "_src" / topic).rglob("*.py"))
 VERSION_MODULE = "jaxcoll._src.compat"   # reads jax internals, not jaxcoll's
 
 
@@ -168,13 +171,14 @@ def internal_names(path: pathlib.Path) -> list[str]:
   for node in ast.walk(ast.parse(path.read_text())):
     if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("jaxcoll"):
       continue
-    if node.module.startswith(("jaxcoll._src.integrations", "jaxcoll.extend")):
+    if node.module.startswith((*(f"jaxcoll._src.{t}" for t in TOPICS), "jaxcoll.extend")):
       continue
     module = importlib.import_module(node.module)
     for a in node.names:
       value = getattr(module, a.name)
       if inspect.ismodule(value):
-        if value.__name__ not in (VERSION_MODULE, "jaxcoll._src.integrations"):
+        if value.__name__ != VERSION_MODULE and \
+            not value.__name__.startswith(tuple(f"jaxcoll._src.{t}" for t in TOPICS)):
           out.append(value.__name__)
       elif id(value) not in public:
         out.append(f"{node.module}.{a.name}")
@@ -182,10 +186,10 @@ def internal_names(path: pathlib.Path) -> list[str]:
 
 
 def test_the_reader_sees_internal_names():
-  assert internal_names(ROOT / "_src" / "explain.py")   # explain reads dispatch, cost, ...
+  assert internal_names(ROOT / "_src" / "auto" / "explain.py")   # explain reads dispatch, cost, ...
 
 
-@pytest.mark.parametrize("path", INTEGRATIONS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", INTEGRATIONS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_integrations_use_only_the_public_api(path):
   """Training and MoE are built on what a user can import: the collectives, explain,
   config and the building blocks in ``jaxcoll.extend``."""
@@ -221,7 +225,7 @@ def test_readme_s_install_command_installs_what_every_example_imports():
 
 PRICING_TO_PICK = {"candidates", "pick", "choose", "predict", "predict_native",
                    "schedule_times"}
-DECIDES = {"jaxcoll._src.dispatch", "jaxcoll._src.cost"}
+DECIDES = {"jaxcoll._src.auto.dispatch", "jaxcoll._src.auto.cost"}
 
 
 def _pricing_calls(path: pathlib.Path) -> set[str]:

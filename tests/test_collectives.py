@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 import jaxcoll
-from jaxcoll._src.executor import execute
+from jaxcoll._src.schedules.executor import execute
 from tests.helpers import (
   AXIS,
   call,

@@ -13,8 +13,8 @@ from jax.sharding import Mesh
 
 import jaxcoll
 from jaxcoll._src import config as config_lib
-from jaxcoll._src import fused_combine
-from jaxcoll._src.profile import PRESET_NAMES
+from jaxcoll._src.auto.profile import PRESET_NAMES
+from jaxcoll._src.wire import fused_combine
 from tests.helpers import count_primitive, per_device
 
 ENV = config_lib.ENV_ALGORITHM

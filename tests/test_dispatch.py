@@ -1,7 +1,7 @@
-"""jaxcoll._src.dispatch: what ``algorithm=`` resolves to for one call.
+"""jaxcoll._src.auto.dispatch: what ``algorithm=`` resolves to for one call.
 
 Real profiles (the presets, and trusted copies of them) and the real candidates; the rule
-auto follows is checked against predictions made here with :mod:`jaxcoll._src.cost` and
+auto follows is checked against predictions made here with :mod:`jaxcoll._src.auto.cost` and
 against the schedules' results in NumPy.
 """
 
@@ -16,8 +16,8 @@ import pytest
 
 import jaxcoll
 from jaxcoll._src import config as config_lib
-from jaxcoll._src import cost, dispatch
-from jaxcoll._src.profile import PRESET_NAMES, Profile
+from jaxcoll._src.auto import cost, dispatch
+from jaxcoll._src.auto.profile import PRESET_NAMES, Profile
 from tests import helpers
 
 HIERARCHICAL = [p for p in jaxcoll.PRIMITIVES if "hierarchical" in jaxcoll.algorithms(p)]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from jaxcoll._src import replicated
+from jaxcoll._src import invariant as replicated
 from tests.helpers import AXIS, mesh
 
 pytestmark = pytest.mark.quick   # also on the oldest supported jax (.ci/run)

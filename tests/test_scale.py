@@ -15,13 +15,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxcoll
-from jaxcoll._src import compat, cost, dispatch
-from jaxcoll._src.algorithms import entries, schedule
-from jaxcoll._src.algorithms.common import by_key
-from jaxcoll._src.plan import LOOP_MIN_STEPS, plan
-from jaxcoll._src.profile import Profile
-from jaxcoll._src.schedule import Run, Steps, crossing_axis
-from jaxcoll._src.topology import Topology
+from jaxcoll._src import compat
+from jaxcoll._src.auto import cost, dispatch
+from jaxcoll._src.auto.profile import Profile
+from jaxcoll._src.auto.topology import Topology
+from jaxcoll._src.schedules.algorithms import entries, schedule
+from jaxcoll._src.schedules.algorithms.common import by_key
+from jaxcoll._src.schedules.plan import LOOP_MIN_STEPS, plan
+from jaxcoll._src.schedules.schedule import Run, Steps, crossing_axis
 
 SHAPES = [(n,) for n in range(1, 9)] + [(2, 2), (2, 3), (3, 2), (2, 4), (4, 2), (2, 2, 2)]
 

@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxcoll
-from jaxcoll._src.algorithms import entry
-from jaxcoll._src.algorithms.trees import double_binary_trees
-from jaxcoll._src.schedule import Messages, Step, Transfer
+from jaxcoll._src.schedules.algorithms import entry
+from jaxcoll._src.schedules.algorithms.trees import double_binary_trees
+from jaxcoll._src.schedules.schedule import Messages, Step, Transfer
 
 SIZES = range(1, 9)
 SCHEDULED = [(p, a) for p in jaxcoll.PRIMITIVES for a in jaxcoll.algorithms(p)

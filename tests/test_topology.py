@@ -1,4 +1,4 @@
-"""Link classes from where devices are (jaxcoll._src.topology), and what the model does
+"""Link classes from where devices are (jaxcoll._src.auto.topology), and what the model does
 with them: every message priced by its class, lax times used only on the span measured."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 import jaxcoll
 from jaxcoll import Link, NativeTimes, Profile
-from jaxcoll._src import calibrate, cost, dispatch, topology
+from jaxcoll._src.auto import calibrate, cost, dispatch, topology
 
 pytestmark = pytest.mark.quick
 

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcoll
 from jaxcoll._src import compat
-from jaxcoll._src.integrations import buckets
+from jaxcoll._src.training import buckets
 
 pytestmark = pytest.mark.quick   # differentiates through shard_map: every supported jax
 AXIS = "data"

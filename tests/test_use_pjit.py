@@ -337,7 +337,7 @@ def test_debug_log_lists_the_report_lines(monkeypatch, caplog):
   """``JAXCOLL_DEBUG=INFO``: each line of the step's report is logged as it is traced."""
   import logging
 
-  from jaxcoll._src import debug_log
+  from jaxcoll._src.auto import debug_log
   monkeypatch.setenv("JAXCOLL_DEBUG", "INFO")
   debug_log._seen.clear()   # each distinct line is logged once per process
   mesh, params, batch = notebook("dp")

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxcoll
-from jaxcoll._src import debug_log
+from jaxcoll._src.auto import debug_log
 
 pytestmark = pytest.mark.quick
 

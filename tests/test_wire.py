@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcoll
-from jaxcoll._src import wire
+from jaxcoll._src.wire import formats as wire
 from tests.helpers import per_device, ppermute_bytes_per_rank
 
 pytestmark = pytest.mark.quick   # also on the oldest supported jax (.ci/run)

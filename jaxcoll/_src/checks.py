@@ -10,7 +10,7 @@ The kinds: axis names (:func:`axis_tuple`), meshes and axes in them (:func:`mesh
 accumulation dtypes (:func:`accumulate`), integers and numbers in a range (:func:`integer`,
 :func:`number`), flags (:func:`flag`), one of a few values (:func:`choice`) and dtypes
 (:func:`dtype`, :func:`floating`). Wire format names are checked by
-:func:`jaxcoll._src.wire.wire_format`, op names by :func:`jaxcoll._src.ops.check_op`,
+:func:`jaxcoll._src.wire.formats.wire_format`, op names by :func:`jaxcoll._src.ops.check_op`,
 primitives by :func:`jaxcoll._src.spec.spec`.
 Nothing here imports jaxcoll's runtime (executor, collectives).
 """
@@ -24,7 +24,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxcoll._src.algorithms.registry import check_algorithm as algorithm  # noqa: F401
+from jaxcoll._src.schedules.algorithms.registry import check_algorithm as algorithm  # noqa: F401
 
 
 def as_axes(names) -> tuple:

@@ -24,14 +24,15 @@ import numpy as np
 from jax import lax
 
 from jaxcoll._src import axes as axes_lib
-from jaxcoll._src import checks, dispatch, layout, ops, record
+from jaxcoll._src import checks, layout, ops, record
 from jaxcoll._src import config as config_lib
-from jaxcoll._src import rounding as rounding_lib
 from jaxcoll._src import spec as spec_lib
-from jaxcoll._src import wire as wire_lib
-from jaxcoll._src.algorithms import NATIVE, schedule
-from jaxcoll._src.executor import execute, ppermute
-from jaxcoll._src.replicated import check_vma_enabled, make_varying, mark_invariant, replicated
+from jaxcoll._src.auto import dispatch
+from jaxcoll._src.invariant import check_vma_enabled, make_varying, mark_invariant, replicated
+from jaxcoll._src.schedules.algorithms import NATIVE, schedule
+from jaxcoll._src.schedules.executor import execute, ppermute
+from jaxcoll._src.wire import formats as wire_lib
+from jaxcoll._src.wire import rounding as rounding_lib
 
 _NATIVE_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin, "mean": lax.pmean}
 

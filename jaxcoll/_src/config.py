@@ -18,10 +18,10 @@ import functools
 import os
 from collections.abc import Mapping
 
-from jaxcoll._src import fused_combine
-from jaxcoll._src.algorithms import check_algorithm
-from jaxcoll._src.profile import Profile
+from jaxcoll._src.auto.profile import Profile
+from jaxcoll._src.schedules.algorithms import check_algorithm
 from jaxcoll._src.spec import PRIMITIVES
+from jaxcoll._src.wire import fused_combine
 
 ENV_ALGORITHM = "JAXCOLL_ALGORITHM"
 FUSED_MIN_BYTES = 1 << 16   # "auto": smaller chunks stay in XLA's own fusion
@@ -80,10 +80,10 @@ class config:  # noqa: N801 (used like a function: jaxcoll.config(...))
       backend cannot compile it, as on CPU: slow, for tests), False (plain
       jax.numpy, which XLA fuses), or "auto" (default: the kernel where the
       backend compiles it and a chunk is at least ``FUSED_MIN_BYTES``).
-    debug: log every choice auto makes (:mod:`jaxcoll._src.debug_log`); None defers to
+    debug: log every choice auto makes (:mod:`jaxcoll._src.auto.debug_log`); None defers to
       ``JAXCOLL_DEBUG=INFO``.
     mesh: the concrete ``jax.sharding.Mesh`` the program runs on, so that the cost model
-      reads where its devices are (:mod:`jaxcoll._src.topology`) rather than deriving it
+      reads where its devices are (:mod:`jaxcoll._src.auto.topology`) rather than deriving it
       from the standard, process-major, device order (a trace sees only the abstract mesh).
 
   Raises:

@@ -17,7 +17,7 @@ import contextvars
 import dataclasses
 from typing import ClassVar
 
-from jaxcoll._src import debug_log
+from jaxcoll._src.auto import debug_log
 
 
 @dataclasses.dataclass(frozen=True)
