@@ -24,7 +24,7 @@ from jaxcoll._src.traffic import Traffic, traffic
 from jaxcoll._src.training.data_parallel import data_parallel
 from jaxcoll._src.training.gradient_sync import sync_gradients, sync_in_backward
 from jaxcoll._src.training.per_device import PerDevice
-from jaxcoll._src.use.rewrite import use
+from jaxcoll._src.use.api import use
 from jaxcoll._src.use.step_report import StepReport, explain_step
 from jaxcoll._src.wire.formats import WIRE_DTYPES, WireFormat
 

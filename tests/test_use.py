@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxcoll
-from jaxcoll._src.use.rewrite import shift_of
+from jaxcoll._src.use.collective_rules import shift_of
 
 pytestmark = pytest.mark.quick   # reads jaxprs: runs on every supported jax (.ci/run)
 

@@ -19,7 +19,8 @@ import math
 import jax
 import numpy as np
 
-from jaxcoll._src import checks, compat
+from jaxcoll._src import checks
+from jaxcoll._src.interpreter import walk
 from jaxcoll._src.table import Table
 
 _COLLECTIVES = ("psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant",
@@ -44,15 +45,6 @@ class Traffic:
 
   def __str__(self) -> str:
     return str(self.table())
-
-
-def _walk(jaxpr, mult, visit):
-  for eqn in jaxpr.eqns:
-    visit(eqn, mult)
-    name = eqn.primitive.name
-    inner = mult * eqn.params["length"] if name == "scan" else mult
-    for sub in compat.sub_jaxprs(eqn.params):
-      _walk(compat.open_jaxpr(sub)[0], inner, visit)
 
 
 def traffic(fn, mesh, *args, **kwargs) -> Traffic:
@@ -112,6 +104,7 @@ def traffic(fn, mesh, *args, **kwargs) -> Traffic:
       sent[senders, axis] += mult * nbytes
       messages[axis] += mult * len(senders)
 
-  _walk(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr, 1, visit)
+  for eqn, times in walk(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr):
+    visit(eqn, times)
   return Traffic(names, {a: float(sent[:, i].max(initial=0)) for i, a in enumerate(names)},
                  {a: int(messages[i]) for i, a in enumerate(names)}, other, unbounded[0])

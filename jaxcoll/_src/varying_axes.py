@@ -25,11 +25,20 @@ gets the set of axes it may differ over.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
-import jax
-
-from jaxcoll._src import checks, compat
+from jaxcoll._src import checks
+from jaxcoll._src.interpreter import (
+  Body,
+  Call,
+  Cond,
+  Scan,
+  While,
+  evaluate,
+  fixed_point,
+  form_of,
+)
 from jaxcoll._src.invariant import REPLICATED_PRIMITIVES
 
 Vary = frozenset   # the axes a value may differ over
@@ -50,29 +59,15 @@ def varying(jaxpr, consts_vary: Sequence[Vary], in_vary: Sequence[Vary]) -> list
   """For an open jaxpr whose constvars vary over ``consts_vary`` and inputs over
   ``in_vary`` (frozensets of mesh axis names): the axes each output may vary over (module
   docstring)."""
-  env: dict = {}
-
-  def read(v) -> Vary:
-    return NONE if isinstance(v, jax.extend.core.Literal) else env.get(v, NONE)
-
-  for var, vary in (*zip(jaxpr.constvars, consts_vary), *zip(jaxpr.invars, in_vary)):
-    env[var] = vary
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
-    outs = _equation(eqn, ins)
-    for var, vary in zip(eqn.outvars, outs):
-      if not isinstance(var, jax.extend.core.DropVar):
-        env[var] = vary
-  return [read(v) for v in jaxpr.outvars]
+  return evaluate(jaxpr, consts_vary, in_vary, _equation, literal=lambda v: NONE)
 
 
 def _union(values) -> Vary:
   return frozenset().union(*values)
 
 
-def _sub(closed, ins: Sequence[Vary]) -> list[Vary]:
-  jaxpr, consts = compat.open_jaxpr(closed)
-  return varying(jaxpr, [NONE] * len(consts), ins)
+def _sub(body: Body, ins: Sequence[Vary]) -> list[Vary]:
+  return varying(body.jaxpr, [NONE] * len(body.consts), ins)
 
 
 def _equation(eqn, ins: list[Vary]) -> list[Vary]:
@@ -83,44 +78,22 @@ def _equation(eqn, ins: list[Vary]) -> list[Vary]:
     return [v - cut for v in ins] if len(ins) == n_out else [every - cut] * n_out
   if name in _PER_DEVICE:
     return [every | _axes(params, _PER_DEVICE[name])] * n_out
-  if name == "cond":
-    branches = [_sub(b, ins[1:]) for b in params["branches"]]
+  form = form_of(eqn)
+  if isinstance(form, Cond):
+    branches = [_sub(b, ins[1:]) for b in form.branches]
     return [_union(outs) | ins[0] for outs in zip(*branches)]
-  if name == "scan":
-    return _scan(params, ins)
-  if name == "while":
-    return _while(params, ins)
-  subs = [j for j in compat.sub_jaxprs(params)
-          if len(compat.open_jaxpr(j)[0].invars) == len(ins)
-          and len(compat.open_jaxpr(j)[0].outvars) == n_out]
-  if subs:   # jit, checkpoint, custom_jvp/vjp, shard_map: inputs and outputs one to one
-    return _sub(subs[0], ins)
+  if isinstance(form, Scan):
+    c, init, xs = form.split(ins)
+    carry, outs = fixed_point(lambda carry: _sub(form.body, [*c, *carry, *xs]), init,
+                              operator.or_)
+    return [*carry, *outs[form.carry:]]
+  if isinstance(form, While):
+    cc, bc, init = form.split(ins)
+
+    def step(carry):   # a predicate that varies runs the loop a different number of times
+      (pred,) = _sub(form.cond, [*cc, *carry])
+      return [v | pred for v in _sub(form.body, [*bc, *carry])]
+    return fixed_point(step, init, operator.or_)[0]
+  if isinstance(form, Call):   # jit, checkpoint, custom_jvp/vjp, shard_map
+    return _sub(form.body, ins)
   return [every] * n_out
-
-
-def _fixed_point(step, carry: list[Vary]) -> list[Vary]:
-  """Iterates ``carry = carry | step(carry)`` until it stops growing (each pass adds axes,
-  so it ends within as many passes as there are axes)."""
-  while True:
-    grown = [c | s for c, s in zip(carry, step(carry))]
-    if grown == carry:
-      return carry
-    carry = grown
-
-
-def _scan(params, ins: list[Vary]) -> list[Vary]:
-  consts, n_carry = compat.scan_counts(params)
-  c, xs = ins[:consts], ins[consts + n_carry:]
-  carry = _fixed_point(lambda carry: _sub(params["jaxpr"], [*c, *carry, *xs])[:n_carry],
-                       list(ins[consts:consts + n_carry]))
-  return [*carry, *_sub(params["jaxpr"], [*c, *carry, *xs])[n_carry:]]
-
-
-def _while(params, ins: list[Vary]) -> list[Vary]:
-  nc, nb = params["cond_nconsts"], params["body_nconsts"]
-  cc, bc = ins[:nc], ins[nc:nc + nb]
-
-  def step(carry):   # a predicate that varies runs the loop a different number of times
-    (pred,) = _sub(params["cond_jaxpr"], [*cc, *carry])
-    return [v | pred for v in _sub(params["body_jaxpr"], [*bc, *carry])]
-  return _fixed_point(step, list(ins[nc + nb:]))

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src import compat
+from jaxcoll._src.interpreter import FORMS, bodies, form_of, walk
 from jaxcoll._src.use.partial_sums import choose, origin_of, reduced_apart
 from jaxcoll._src.use.placement import (
   Local,
@@ -46,8 +47,9 @@ from jaxcoll._src.use.placement import (
 )
 from jaxcoll._src.use.redistribute import Comm, redistribute, reduce_many
 from jaxcoll._src.use.rules import (
-  CALLS,
+  BY_FORM,
   ELEMENTWISE,
+  REBUILT,
   RULES,
   Refused,
   fallback,
@@ -141,7 +143,7 @@ class Evaluator:
         ins = [self.read(v) for v in eqn.invars]
         where = compat.source_line(eqn) or self.where[-1]
         outs = self.apply(eqn, ins, where)
-        if eqn.primitive.name not in CALLS:
+        if eqn.primitive.name not in FORMS:   # a body's outputs are values of their own
           outs = [x if any(x.key == i.key for i in ins) else
                   dataclasses.replace(x, origin=origin_of(eqn, ins, x, k, where))
                   for k, x in enumerate(outs)]
@@ -177,10 +179,22 @@ class Evaluator:
     self.where.append(where)
     try:
       with compat.equation_config(eqn), record_at(eqn.primitive.name, where):
-        outs = RULES.get(eqn.primitive.name, fallback)(self, eqn, list(ins))
+        outs = self.rule(eqn, list(ins))
         return laid_out_as_asked(self, eqn, outs)
     finally:
       self.where.pop()
+
+  def rule(self, eqn, ins: list[Local]) -> list[Local]:
+    """``eqn`` on ``ins`` by its rule: a first-order primitive's (:data:`RULES`), a
+    higher-order one's by name or by form (:func:`interpreter.form_of`), else
+    :func:`fallback`."""
+    rule = RULES.get(eqn.primitive.name)
+    if rule is not None:
+      return rule(self, eqn, ins)
+    form = form_of(eqn)
+    if form is None:
+      return fallback(self, eqn, ins)
+    return REBUILT.get(eqn.primitive.name, BY_FORM[type(form)])(self, eqn, form, ins)
 
   def _set(self, scope: _Scope, var, local: Local) -> None:
     local = local.bound_to(var)
@@ -515,16 +529,11 @@ def laid_out_consts(jaxpr) -> list:
   (each once): a shard_map may not close over them (an Explicit one's type names the mesh
   outside it), so they enter the program as inputs."""
   found: dict = {}
-
-  def walk(j):
-    for eqn in j.eqns:
-      for sub in compat.sub_jaxprs(eqn.params):
-        inner, consts = compat.open_jaxpr(sub)
-        for c in consts:
-          if isinstance(getattr(c, "sharding", None), jax.sharding.NamedSharding):
-            found.setdefault(id(c), c)
-        walk(inner)
-  walk(jaxpr)
+  for eqn, _ in walk(jaxpr):
+    for body in bodies(eqn):
+      for c in body.consts:
+        if isinstance(getattr(c, "sharding", None), jax.sharding.NamedSharding):
+          found.setdefault(id(c), c)
   return list(found.values())
 
 

@@ -1,0 +1,101 @@
+"""What ``jaxcoll.use`` was asked for, and the one place it decides each collective's
+algorithm and wire format from it (:class:`Options`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcoll._src.auto.profile import Profile
+from jaxcoll._src.schedules.algorithms import algorithms
+from jaxcoll._src.spec import PRIMITIVES
+from jaxcoll._src.use.gradient_sums import stack, vary
+from jaxcoll.extend import (
+  NATIVE,
+  SCHEDULE,
+  check_axis_names,
+  check_choice,
+  check_flag,
+  compresses,
+  record_where,
+  wire_format,
+)
+
+
+class Options:
+  """What ``use`` was asked for: the algorithm per primitive, the wire format, the profile."""
+
+  def __init__(self, algorithm, wire_dtype, profile, axes=None, in_shardings=None,
+               out_shardings=None, strict: bool = False):
+    if isinstance(algorithm, Mapping):
+      for p, a in algorithm.items():
+        check_choice(p, a, "use(algorithm=...)")
+      self.algorithm = dict(algorithm)
+    elif isinstance(algorithm, str):
+      if algorithm not in ("auto", SCHEDULE) and not any(algorithm in algorithms(p)
+                                                         for p in PRIMITIVES):
+        raise ValueError(f"use(algorithm={algorithm!r}): no collective offers it; expected "
+                         f"'auto', {SCHEDULE!r}, a mapping {{primitive: algorithm}} or a "
+                         "name from jaxcoll.algorithms(primitive)")
+      self.algorithm = algorithm
+    else:
+      raise ValueError(f"use(algorithm={algorithm!r}): expected 'auto', a name or a mapping "
+                       "{primitive: algorithm}")
+    self.wire = None if wire_dtype is None else wire_format(wire_dtype, np.float32)
+    self.profile = None if profile is None else Profile.resolve(profile, "use(profile=...)")
+    self.axes = None if axes is None else check_axis_names(axes, "use(axes=...)") if axes \
+        else ()
+    self.in_shardings, self.out_shardings = in_shardings, out_shardings
+    self.in_flat = None   # the arguments' own shardings, flat (concrete arrays: rewrite)
+    self.memory = None    # output leaf -> declared host-memory sharding (rewrite fills it)
+    self.strict = check_flag(strict, "use(strict=...)")
+    self.casts = True   # pvary as jaxcoll's vary (False inside a global program's shard_map)
+
+  def algorithm_for(self, primitive: str, axes: tuple[str, ...]):
+    """A name applies to each primitive that offers it (hierarchical: over two axes or more);
+    every other primitive gets "auto", or, when the name is a schedule's, "schedule" (auto
+    among the schedules: forcing a schedule keeps every collective off the lax one)."""
+    if isinstance(self.algorithm, dict):
+      return self.algorithm.get(primitive, "auto")
+    name = self.algorithm
+    if name not in algorithms(primitive, num_axes=len(axes)):
+      return "auto" if name in ("auto", NATIVE) else SCHEDULE
+    return name
+
+  def wire_for(self, primitive: str, dtype, op: str = "sum") -> dict:
+    """``wire_dtype=`` where ``use`` sends a collective compressed: the sums
+    (all_reduce, reduce_scatter) and gathers of data the format compresses. Never a max or
+    a min (it selects a value: a rounded maximum matches no device's own, and argmax over a
+    split dimension reads that match), nor an all_to_all; the rest travel as they are. The
+    one place ``use`` decides it, for shard_map programs and global ones alike.
+
+    Raises:
+      ValueError: a float64 value to compress: a block-scaled or bfloat16 wire encodes in
+        float32, where a float64 value beyond its range has no home (it would arrive inf or
+        NaN); the error names the equation and its source line.
+    """
+    wanted = primitive in ("all_reduce", "reduce_scatter", "all_gather") and op == "sum"
+    if not (wanted and compresses(self.wire, dtype)):
+      return {}
+    if jnp.dtype(dtype).itemsize > 4:
+      equation, line = record_where()
+      wire = getattr(self.wire, "name", self.wire)
+      raise ValueError(
+          f"use(wire_dtype={wire!r}): the {primitive} of a {jnp.dtype(dtype)} value "
+          f"({equation} at {line}) would be encoded in float32, where a float64 value "
+          f"has no home beyond float32's range; cast it to float32 in the step, or pass "
+          f"wire_dtype=None")
+    return {"wire_dtype": self.wire}
+
+  def vary(self, x, axes: tuple[str, ...]):
+    """:func:`varying.vary` with this rewrite's algorithm and wire format for its sum."""
+    return vary(x, axes, *self._sum_options(axes))
+
+  def stack(self, x, mesh, axes: tuple[str, ...], spec):
+    """:func:`varying.stack` with this rewrite's algorithm and wire format for its sum."""
+    return stack(x, mesh, axes, spec, *self._sum_options(axes))
+
+  def _sum_options(self, axes) -> tuple:
+    return self.algorithm_for("all_reduce", axes), self.wire

@@ -1,0 +1,160 @@
+"""``dot_general`` and the reductions (sum, max, min, prod, and/or, argmax/argmin).
+(:mod:`jaxcoll._src.use.rules`)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcoll._src.collectives import all_reduce
+from jaxcoll._src.use.placement import Local, Placement
+
+# ---- dot_general ----
+
+def _where(place: Placement, axis: str):
+  """The dimension ``axis`` splits in ``place``, "partial", or None (whole over it)."""
+  for d, axes in enumerate(place.dims):
+    if axis in axes:
+      return d
+  return "partial" if axis in place.partial else None
+
+
+def _move_bytes(cur, target, piece: float, n: int) -> float:
+  """What one device receives to move a piece of ``piece`` bytes from ``cur`` to ``target``
+  along an axis of n devices (:func:`_where`'s terms): a slice is free, an all-gather
+  receives n-1 pieces, an all-to-all (n-1)/n of one, an all-reduce twice that, a
+  reduce-scatter once."""
+  if cur == target or cur is None:
+    return 0.0
+  if cur == "partial":
+    return (2 if target is None else 1) * piece * (n - 1) / n
+  return piece * (n - 1) if target is None else piece * (n - 1) / n
+
+
+def _local_bytes(ev, var, place: Placement) -> float:
+  return float(np.prod(ev.local_shape(var.aval.shape, place))) * var.aval.dtype.itemsize
+
+
+def _dot_general(ev, eqn, ins):
+  """Each mesh axis either splits a pair of batch dimensions, a pair of contracting ones
+  (the result a partial sum over it), a free dimension of one operand (the other whole
+  over it), or nothing (both whole; or one operand left a partial sum, the result then
+  partial too). As XLA's partitioner does, a role that leaves both operands where they are
+  wins (a data-parallel weight gradient stays a partial sum, reduced later with the others
+  in buckets); else one that leaves an operand split on a batch or free dimension where it
+  is (the result stays split: the work stays divided, where a whole result would have
+  every later equation repeated on every device); then whichever moves the fewest bytes
+  (:func:`_move_bytes`; a partial result priced as its all-reduce). An FSDP weight beside
+  a batch-split activation, split on either of its dimensions, is thus gathered, the
+  activation left where it is. An axis neither operand uses splits the product too (a
+  batch dimension, else the left operand's rows, else the right's columns: a free slice),
+  so that its devices divide the work rather than each repeat it."""
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  lhs, rhs = ins
+  L, R = lhs.place, rhs.place
+  lvar, rvar, ovar = eqn.invars[0], eqn.invars[1], eqn.outvars[0]
+  lshape, rshape = lvar.aval.shape, rvar.aval.shape
+  lfree = [d for d in range(L.ndim) if d not in lc and d not in lb]
+  rfree = [d for d in range(R.ndim) if d not in rc and d not in rb]
+  roles = [*zip(lb, rb), *[(d, None) for d in lfree], *[(None, d) for d in rfree],
+           *zip(lc, rc), (None, None)]   # in a tie, no partial result
+  order = [a for p in (L, R) for axes in p.dims for a in axes] + sorted(L.partial | R.partial)
+  axes = list(dict.fromkeys(order))
+  piece_l, piece_r = _local_bytes(ev, lvar, L), _local_bytes(ev, rvar, R)
+  involved = ev.count(axes)
+  out_piece = float(np.prod(ovar.aval.shape)) * ovar.aval.dtype.itemsize / involved
+  ldims, rdims = [[] for _ in lshape], [[] for _ in rshape]
+  keep_l, keep_r, summed = set(), set(), set()
+
+  def fits(dims, shape, d, n):
+    return d is None or shape[d] % (ev.count(dims[d]) * n) == 0
+
+  for a in axes:
+    n = ev.sizes[a]
+    cl, cr = _where(L, a), _where(R, a)
+    reduce_out = 2 * out_piece * (n - 1) / n
+    best = None
+    for ld, rd in roles:
+      if not (fits(ldims, lshape, ld, n) and fits(rdims, rshape, rd, n)):
+        continue
+      moved = _move_bytes(cl, ld, piece_l, n) + _move_bytes(cr, rd, piece_r, n)
+      kept = (ld is not None and ld == cl and ld not in lc) or \
+          (rd is not None and rd == cr and rd not in rc)   # an operand's row split stays
+      options = [((moved > 0, moved > 0 and not kept,
+                   moved + (reduce_out if ld in lc and ld is not None else 0)), None)]
+      if (ld, rd) == (None, None):   # one operand may stay a sum: so is the product
+        if cl == "partial" and cr is None:
+          options.append(((False, False, reduce_out), "l"))
+        if cr == "partial" and cl is None:
+          options.append(((False, False, reduce_out), "r"))
+      for cost, keep in options:
+        if best is None or cost < best[0]:
+          best = (cost, ld, rd, keep)
+    _, ld, rd, keep = best
+    if ld is not None:
+      ldims[ld].append(a)
+    if rd is not None:
+      rdims[rd].append(a)
+    if ld is not None and ld in lc:
+      summed.add(a)
+    (keep_l if keep == "l" else keep_r if keep == "r" else set()).add(a)
+  for a in ev.manual:   # an axis neither operand uses: split the product rather than repeat it
+    if a in axes:
+      continue
+    for ld, rd in roles[:len(lb) + len(lfree) + len(rfree)]:   # batch, then rows, then columns
+      if fits(ldims, lshape, ld, ev.sizes[a]) and fits(rdims, rshape, rd, ev.sizes[a]):
+        (ldims[ld] if ld is not None else rdims[rd]).append(a)
+        if ld is not None and rd is not None:
+          rdims[rd].append(a)
+        break
+  ldims, rdims = [tuple(x) for x in ldims], [tuple(x) for x in rdims]
+  values = [ev.to(lhs, Placement(tuple(ldims), frozenset(keep_l))),
+            ev.to(rhs, Placement(tuple(rdims), frozenset(keep_r)))]
+  out_dims = [ldims[d] for d in lb] + [ldims[d] for d in lfree] + [rdims[d] for d in rfree]
+  out = ev.bind(eqn, values)
+  return [Local(out[0], Placement(tuple(out_dims), frozenset(keep_l | keep_r | summed)))]
+
+
+# ---- reductions ----
+
+def _reduce_sum(ev, eqn, ins):
+  (x,) = ins
+  axes = tuple(eqn.params["axes"])
+  out = ev.bind(eqn, [x.value])
+  return [Local(out[0], x.place.without(axes))]
+
+
+def _reduce_with(op: str):
+  def rule(ev, eqn, ins):
+    (x,) = ins
+    axes = tuple(eqn.params["axes"])
+    value = ev.to(x, x.place.whole())
+    split = tuple(a for d in axes for a in x.place.dims[d])
+    out = ev.bind(eqn, [value])[0]
+    if split:
+      wide = out.astype(jnp.int32) if out.dtype == jnp.bool_ else out
+      out = ev.comm.run(all_reduce, "all_reduce", wide, split, op=op).astype(out.dtype)
+    keep = tuple(a for d, a in enumerate(x.place.dims) if d not in axes)
+    return [Local(out, Placement(keep))]
+  return rule
+
+
+def _arg_reduce(best: str):
+  """argmax/argmin over a split dimension: each device's best and its global index, then
+  the best value over the axes and the least index that holds it."""
+  def rule(ev, eqn, ins):
+    (x,) = ins
+    (d,) = eqn.params["axes"]
+    value = ev.to(x, x.place.whole())
+    axes = x.place.dims[d]
+    index = ev.bind(eqn, [value])[0]
+    keep = Placement(tuple(a for i, a in enumerate(x.place.dims) if i != d))
+    if not axes:
+      return [Local(index, keep)]
+    local = jnp.take_along_axis(value, jnp.expand_dims(index, d).astype(jnp.int32), d)
+    local = jnp.squeeze(local, d)
+    index = index + ev.index(axes).astype(index.dtype) * value.shape[d]
+    top = ev.comm.run(all_reduce, "all_reduce", local, axes, op=best)
+    mine = jnp.where(local == top, index, jnp.iinfo(index.dtype).max)
+    return [Local(ev.comm.run(all_reduce, "all_reduce", mine, axes, op="min"), keep)]
+  return rule
