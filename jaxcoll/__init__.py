@@ -26,7 +26,7 @@ from jaxcoll._src.training.gradient_sync import sync_gradients, sync_in_backward
 from jaxcoll._src.training.per_device import PerDevice
 from jaxcoll._src.use.api import use
 from jaxcoll._src.use.step_report import StepReport, explain_step
-from jaxcoll._src.wire.formats import WIRE_DTYPES, WireFormat
+from jaxcoll._src.wire.formats import WIRE_DTYPES, WireFormat, wire_dtypes
 
 __version__ = "0.1.0"
 
@@ -76,4 +76,5 @@ __all__ = (
     "tools",
     "traffic",
     "use",
+    "wire_dtypes",
 )

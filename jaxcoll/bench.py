@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 
 import tqdm
 
-from jaxcoll import tools
+from jaxcoll import tools, wire_dtypes
 from jaxcoll.tools import NATIVE, format_size, parse_size
 
 OPS = tools.primitives(timed=True)   # the collectives with a bus factor
@@ -466,7 +466,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="more rounds per size until they take this long")
   p.add_argument("--wire", default=None, metavar="W[,W...]",
                  help="also run each scheduled algorithm with these compressed wire formats "
-                      "(bfloat16, float8_e4m3fn, float8_e5m2, int8)")
+                      f"({', '.join(wire_dtypes())})")
   p.add_argument("-c", "--check", type=int, nargs="?", const=1, default=0, choices=(0, 1),
                  help="count elements that differ from the native collective's result "
                       "(-c, -c 1; nccl-tests' form)")

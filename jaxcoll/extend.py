@@ -24,7 +24,8 @@ names of the lax collective and of auto among the schedules (:data:`NATIVE`,
 :func:`record_in_use`, :func:`record_repeated`, :func:`record_where`).
 """
 
-from jaxcoll._src.auto.dispatch import NATIVE_MARGIN
+from jaxcoll._src.auto.dispatch import NATIVE_MARGIN, replaces
+from jaxcoll._src.auto.dispatch import offered as offered_algorithm
 from jaxcoll._src.axes import index as axis_index
 from jaxcoll._src.axes import normalize as normalize_axes
 from jaxcoll._src.axes import size as axis_size
@@ -39,7 +40,7 @@ from jaxcoll._src.checks import floating as check_floating
 from jaxcoll._src.checks import integer as check_int
 from jaxcoll._src.checks import number as check_number
 from jaxcoll._src.collectives import algorithm_of
-from jaxcoll._src.config import check_choice
+from jaxcoll._src.config import check_choice, config_field, remove_config_field, setting
 from jaxcoll._src.invariant import check_vma_enabled, make_varying
 from jaxcoll._src.ops import check_op
 from jaxcoll._src.record import Line as ReportLine
@@ -52,8 +53,16 @@ from jaxcoll._src.record import repeated as record_repeated
 from jaxcoll._src.record import where as record_where
 from jaxcoll._src.schedules.algorithms import NATIVE, SCHEDULE
 from jaxcoll._src.units import format_seconds, format_size
+from jaxcoll._src.use.rule_table import register_rule as register_spmd_rule
+from jaxcoll._src.use.rule_table import unregister_rule as unregister_spmd_rule
 from jaxcoll._src.varying_axes import varying
-from jaxcoll._src.wire.formats import compresses, wire_format
+from jaxcoll._src.wire.formats import Element as WireElement
+from jaxcoll._src.wire.formats import (
+  compresses,
+  register_wire_format,
+  unregister_wire_format,
+  wire_format,
+)
 from jaxcoll._src.wire.rounding import check as check_rounding
 from jaxcoll._src.wire.rounding import low_precision, round_to
 
@@ -62,6 +71,7 @@ __all__ = (
     "NATIVE_MARGIN",
     "SCHEDULE",
     "ReportLine",
+    "WireElement",
     "algorithm_of",
     "as_axes",
     "axes_in_mesh",
@@ -80,6 +90,7 @@ __all__ = (
     "check_op",
     "check_rounding",
     "check_vma_enabled",
+    "config_field",
     "compresses",
     "format_seconds",
     "format_size",
@@ -87,6 +98,7 @@ __all__ = (
     "make_varying",
     "mesh_shape",
     "normalize_axes",
+    "offered_algorithm",
     "record_at",
     "record_in_use",
     "record_note",
@@ -94,7 +106,14 @@ __all__ = (
     "record_repeated",
     "record_where",
     "recording",
+    "register_spmd_rule",
+    "register_wire_format",
+    "remove_config_field",
+    "replaces",
     "round_to",
+    "setting",
+    "unregister_spmd_rule",
+    "unregister_wire_format",
     "varying",
     "wire_format",
 )

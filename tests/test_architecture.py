@@ -159,6 +159,7 @@ def test_no_algorithm_is_named_outside_algorithms(path):
 TOPICS = ("use", "training", "moe")   # built on the public API, as a user's code is
 INTEGRATIONS = sorted(p for topic in TOPICS for p in (ROOT / "_src" / topic).rglob("*.py"))
 VERSION_MODULE = "jaxcoll._src.compat"   # reads jax internals, not jaxcoll's
+INTERPRETER = "jaxcoll._src.interpreter"   # the one jaxpr interpreter, jax's jaxprs only
 
 
 def internal_names(path: pathlib.Path) -> list[str]:
@@ -171,13 +172,14 @@ def internal_names(path: pathlib.Path) -> list[str]:
   for node in ast.walk(ast.parse(path.read_text())):
     if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("jaxcoll"):
       continue
-    if node.module.startswith((*(f"jaxcoll._src.{t}" for t in TOPICS), "jaxcoll.extend")):
+    if node.module.startswith((*(f"jaxcoll._src.{t}" for t in TOPICS), "jaxcoll.extend",
+                               INTERPRETER)):
       continue
     module = importlib.import_module(node.module)
     for a in node.names:
       value = getattr(module, a.name)
       if inspect.ismodule(value):
-        if value.__name__ != VERSION_MODULE and \
+        if value.__name__ not in (VERSION_MODULE, INTERPRETER) and \
             not value.__name__.startswith(tuple(f"jaxcoll._src.{t}" for t in TOPICS)):
           out.append(value.__name__)
       elif id(value) not in public:
@@ -288,3 +290,147 @@ def test_the_reader_sees_private_jax_names():
 def test_private_jax_names_only_in_compat(path):
   """Every private jax name lives in ``compat.py`` (tested there on both versions)."""
   assert not _jax_private(path), _jax_private(path)
+
+
+# ---------------------------------------------------- one house: topics, one interpreter
+
+def test_the_topic_packages_hold_their_topics():
+  """``use``, training, MoE, auto, the schedules and the wire formats each have a package of
+  their own; no flat folder of integrations is left."""
+  for topic in ("use", "training", "moe", "auto", "schedules", "wire"):
+    assert (ROOT / "_src" / topic / "__init__.py").exists(), topic
+  assert not (ROOT / "_src" / "integrations").exists()
+  assert {"jaxcoll._src.use.api", "jaxcoll._src.training.fsdp", "jaxcoll._src.moe.layer",
+          "jaxcoll._src.auto.dispatch", "jaxcoll._src.schedules.executor",
+          "jaxcoll._src.wire.formats"} <= MODULES.keys()
+
+
+SUB_JAXPR_READERS = {"open_jaxpr", "sub_jaxprs", "scan_counts"}   # compat's, for the interpreter
+LOOPS_AND_BRANCHES = {"scan", "while", "cond"}
+
+
+def _reads(path: pathlib.Path) -> set[str]:
+  """The names of ``SUB_JAXPR_READERS`` ``path`` reaches and the loop/branch primitive names
+  it spells (string literals, docstrings aside)."""
+  tree = ast.parse(path.read_text())
+  skip = _docstrings(tree)
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and node.attr in SUB_JAXPR_READERS:
+      out.add(node.attr)
+    elif isinstance(node, ast.ImportFrom):
+      out |= {a.name for a in node.names} & SUB_JAXPR_READERS
+    elif isinstance(node, ast.Constant) and node.value in LOOPS_AND_BRANCHES and \
+        id(node) not in skip:
+      out.add(node.value)
+  return out
+
+
+def test_the_reader_sees_sub_jaxpr_reads():
+  assert {"open_jaxpr", "scan", "while", "cond"} <= _reads(ROOT / "_src" / "interpreter.py")
+
+
+@pytest.mark.parametrize("path", [p for n, p in MODULES.items()
+                                  if n not in ("jaxcoll._src.interpreter", VERSION_MODULE)],
+                         ids=lambda p: p.relative_to(REPO).as_posix())
+def test_one_interpreter_reads_every_higher_order_primitive(path):
+  """Only ``_src/interpreter.py`` reads a higher-order equation's bodies out of its params
+  and names loops and branches: ``use``'s rewrite, its per-device evaluator, the vma
+  analysis and the traffic count dispatch on its forms, so a new higher-order primitive is
+  one entry in ``interpreter.FORMS``."""
+  assert not _reads(path), sorted(_reads(path))
+
+
+# ------------------------------------------------------------------ each decision once
+
+DISPATCH = "jaxcoll._src.auto.dispatch"
+REGISTRY = "jaxcoll._src.schedules.algorithms.registry"   # checks a name, decides nothing
+
+
+def _margin_arithmetic(path: pathlib.Path) -> list[int]:
+  """Lines where ``NATIVE_MARGIN`` enters a comparison or arithmetic (not a message)."""
+  out = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, (ast.BinOp, ast.Compare)) and any(
+        isinstance(n, ast.Name) and n.id == "NATIVE_MARGIN" for n in ast.walk(node)):
+      out.append(node.lineno)
+  return out
+
+
+def test_the_reader_sees_margin_arithmetic():
+  assert _margin_arithmetic(ROOT / "_src" / "auto" / "dispatch.py")
+
+
+@pytest.mark.parametrize("path", [p for n, p in MODULES.items() if n != DISPATCH],
+                         ids=lambda p: p.relative_to(REPO).as_posix())
+def test_the_margin_rule_is_applied_in_dispatch_alone(path):
+  """A challenger replaces a default (a schedule the lax collective, MoE's allgather its
+  all_to_all) by ``dispatch.replaces`` alone: trusted profiles only, every placement."""
+  assert not _margin_arithmetic(path)
+
+
+def _per_axes_availability(path: pathlib.Path) -> list[int]:
+  """Lines that test a name against ``algorithms(primitive, num_axes=...)``: the fallback
+  for a name a primitive lacks over so many axes."""
+  out = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Compare) and any(
+        isinstance(c, ast.Call) and any(k.arg == "num_axes" for k in c.keywords)
+        and getattr(c.func, "id", getattr(c.func, "attr", "")) == "algorithms"
+        for c in node.comparators):
+      out.append(node.lineno)
+  return out
+
+
+def test_the_reader_sees_availability_tests():
+  assert _per_axes_availability(ROOT / "_src" / "auto" / "dispatch.py")
+
+
+@pytest.mark.parametrize("path", [p for n, p in MODULES.items() if n not in (DISPATCH, REGISTRY)],
+                         ids=lambda p: p.relative_to(REPO).as_posix())
+def test_the_fallback_for_a_missing_algorithm_is_decided_once(path):
+  """``use`` and FSDP give a name to several primitives; where one lacks it, what runs
+  instead is ``dispatch.offered`` 's answer (``jaxcoll.extend.offered_algorithm``)."""
+  assert not _per_axes_availability(path)
+
+
+def test_use_decides_compression_in_one_place():
+  """Which of ``use`` 's collectives travel compressed: ``Options.wire_for`` alone."""
+  for path in sorted((ROOT / "_src" / "use").rglob("*.py")):
+    names = {n.id if isinstance(n, ast.Name) else n.attr
+             for n in ast.walk(ast.parse(path.read_text()))
+             if isinstance(n, (ast.Name, ast.Attribute))}
+    assert "compresses" not in names or path.name == "options.py", path
+
+
+@pytest.mark.parametrize("path", [p for n, p in MODULES.items()
+                                  if n != "jaxcoll._src.training.buckets"],
+                         ids=lambda p: p.relative_to(REPO).as_posix())
+def test_one_bucketing_routine(path):
+  """Values packed for one collective are grouped by ``buckets.assign`` alone (gradient sync,
+  ``use`` 's reduce-scatters and all-reduces): no other function makes buckets."""
+  defined = [n.name for n in ast.walk(ast.parse(path.read_text()))
+             if isinstance(n, ast.FunctionDef) and "buckets" in n.name.lower()]
+  assert not defined, defined
+
+
+# ---------------------------------------------------- extension points, one file each
+
+@pytest.mark.parametrize("table,module", [
+    ("ELEMENTS", "jaxcoll._src.wire.formats"), ("ROUTERS", "jaxcoll._src.moe.routers"),
+    ("FIELDS", "jaxcoll._src.config"), ("RULES", "jaxcoll._src.use.rule_table"),
+    ("FORMS", "jaxcoll._src.interpreter")])
+def test_each_extension_table_is_declared_in_one_module(table, module):
+  """A wire format, a router, a config setting, a per-device rule and a higher-order form
+  are each one entry of one table, filled in the module that declares it; every other
+  module reads it (tests/test_extension_points.py adds one of each from outside)."""
+  writers = []
+  for name, path in MODULES.items():
+    for node in ast.walk(ast.parse(path.read_text())):
+      targets = node.targets if isinstance(node, ast.Assign) else \
+          [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+      for t in targets:
+        base = t.value if isinstance(t, ast.Subscript) else t
+        if isinstance(base, ast.Name) and base.id == table:
+          writers.append(name)
+  assert set(writers) == {module}, writers

@@ -166,7 +166,7 @@ def test_layer_errors_name_the_argument():
     call(router="experts", capacity_factor=None)
   with pytest.raises(ValueError, match=r"router='sigmoid' chooses by params\['bias'\]"):
     call(router="sigmoid")
-  with pytest.raises(ValueError, match="groups=2, top_groups=1 apply to router='sigmoid'"):
+  with pytest.raises(ValueError, match="groups=2 applies to router='sigmoid'"):
     call(groups=2)
   with pytest.raises(ValueError, match="buffer_factor=2.0 applies to layout='sorted'"):
     call(buffer_factor=2.0)

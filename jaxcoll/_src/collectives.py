@@ -104,6 +104,16 @@ def _wire(wire_dtype, dtype, wire_block_size, accumulate):
   return fmt
 
 
+def _leaf_call(facts, x, n: int, accumulate_dtype, wire_dtype, wire_block_size):
+  """``(accumulate dtype, wire format, M)`` of a call on leaf ``x`` (an array or its
+  ``ShapeDtypeStruct``) over ``n`` devices: what auto prices it by, read once for the call
+  (:func:`_collective`) and for :func:`algorithm_of` alike."""
+  acc = checks.accumulate(accumulate_dtype, x.dtype) if facts.reduces else None
+  fmt = _wire(wire_dtype, x.dtype, wire_block_size, acc) if facts.wire else None
+  nbytes = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+  return acc, fmt, facts.message_bytes(nbytes, n)
+
+
 def _straight_through(fn, x, wire, key, *, linear: bool):
   """``fn(x, wire, key)``, differentiated as ``fn(x, None, None)``: compression and
   stochastic rounding are invisible to gradients (straight-through), which flow as through
@@ -201,12 +211,11 @@ def _collective(primitive: str, x, axis_name, algorithm, *, native, finish, op=N
   def leaf(x, key):
     if check is not None:
       check(x)
-    acc = checks.accumulate(accumulate_dtype, x.dtype) if facts.reduces else None
-    fmt = _wire(wire_dtype, x.dtype, wire_block_size, acc) if facts.wire else None
+    acc, fmt, nbytes = _leaf_call(facts, x, n, accumulate_dtype, wire_dtype, wire_block_size)
     if x.size == 0:   # nothing to send: lax's (empty) answer whatever the algorithm
       return native(x)
-    algo, chosen = _resolve(primitive, algorithm, axes, x, facts.message_bytes(x.nbytes, n),
-                            accumulate=acc, wire=fmt, stochastic=key is not None)
+    algo, chosen = _resolve(primitive, algorithm, axes, x, nbytes, accumulate=acc, wire=fmt,
+                            stochastic=key is not None)
     final = key if key is None or facts.replicated else jax.random.fold_in(
         key, axes_lib.index(axes))
     if algo == NATIVE:   # accumulate_dtype / stochastic: lax's collective on wider sums
@@ -248,13 +257,13 @@ def algorithm_of(primitive: str, x, axis_name, *, algorithm="auto", op: str | No
   axes = axes_lib.normalize(axis_name)
   x = jax.ShapeDtypeStruct(np.shape(x), jnp.int32 if x.dtype == bool and op in ("sum", "mean")
                            else x.dtype)
-  acc = checks.accumulate(accumulate_dtype, x.dtype) if facts.reduces else None
-  fmt = _wire(wire_dtype, x.dtype, wire_lib.DEFAULT_BLOCK_SIZE, acc) if facts.wire else None
-  nbytes = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+  acc, fmt, nbytes = _leaf_call(facts, x, axes_lib.size(axes), accumulate_dtype, wire_dtype,
+                                wire_lib.DEFAULT_BLOCK_SIZE)
   checks.choice(rounding, rounding_lib.ROUNDINGS, "rounding")
-  stochastic = rounding == "stochastic" and facts.reduces and rounding_lib.low_precision(x.dtype)
-  return _decide(primitive, algorithm, axes, x, facts.message_bytes(nbytes, axes_lib.size(axes)),
-                 accumulate=acc, wire=fmt, stochastic=stochastic)[0]
+  stochastic = facts.reduces and rounding_lib.rounds_stochastically(rounding == "stochastic",
+                                                                    x.dtype)
+  return _decide(primitive, algorithm, axes, x, nbytes, accumulate=acc, wire=fmt,
+                 stochastic=stochastic)[0]
 
 
 def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
@@ -274,12 +283,12 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
       combine in this dtype and are rounded once at the end (reduce steps send
       itemsize(accumulate)/itemsize(x) times the bytes). None: each combine
       computes in float32 and rounds to x's dtype (NCCL's behaviour).
-    wire_dtype: compress every message: "bfloat16", "float8_e4m3fn",
-      "float8_e5m2" or "int8" (block-scaled, one power-of-two exponent per
-      ``wire_block_size`` values); partial sums accumulate in float32 and are
-      re-encoded before each send. Replicas stay bit-identical; each encode errs
-      by at most ``WireFormat.relative_error`` times its block's largest
-      magnitude. Gradients are those of the uncompressed collective. x's own
+    wire_dtype: compress every message: a name of ``jaxcoll.wire_dtypes()`` ("bfloat16";
+      "float8_e4m3fn", "float8_e5m2" or "int8", block-scaled, one power-of-two exponent
+      per ``wire_block_size`` values; any format registered since); partial sums
+      accumulate in float32 and are re-encoded before each send. Replicas stay
+      bit-identical; each encode errs by at most ``WireFormat.relative_error`` times its
+      block's largest magnitude. Gradients are those of the uncompressed collective. x's own
       dtype (or None) sends x uncompressed; "native" cannot compress. Non-finite values
       arrive as lax's: an inf with its sign, a NaN as NaN, the finite values of their
       block scaled without them (:class:`jaxcoll.WireFormat`).

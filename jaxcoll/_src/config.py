@@ -16,7 +16,7 @@ import contextvars
 import dataclasses
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from jaxcoll._src.auto.profile import Profile
 from jaxcoll._src.schedules.algorithms import check_algorithm
@@ -24,24 +24,93 @@ from jaxcoll._src.spec import PRIMITIVES
 from jaxcoll._src.wire import fused_combine
 
 ENV_ALGORITHM = "JAXCOLL_ALGORITHM"
+ENV_DEBUG = "JAXCOLL_DEBUG"
 FUSED_MIN_BYTES = 1 << 16   # "auto": smaller chunks stay in XLA's own fusion
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """The configuration in effect (:func:`current`); see :class:`config` for each field."""
+class Field:
+  """One setting of ``jaxcoll.config``: a setting is this one declaration
+  (:func:`config_field`); ``config(name=...)`` checks it, :func:`setting` reads it.
 
-  algorithm: tuple[tuple[str, object], ...] = ()
-  profile: Profile | None = None
-  fused_kernel: bool | str = "auto"
-  debug: bool | None = None
-  mesh: object = None
+  Attributes:
+    name: the keyword of ``jaxcoll.config``.
+    default: its value where nothing sets it.
+    check: ``check(value, name)``: the value as kept, or a ValueError naming
+      ``config(name=...)``.
+    env: an environment variable read where no ``config`` sets it (None: none).
+    parse: ``parse(text)``: the variable's value as the setting keeps it (checked).
+    merge: ``merge(outer, inner)``: how an inner setting combines with an outer one (and
+      with the variable's); None: the inner replaces it.
+  """
+
+  name: str
+  default: object = None
+  check: Callable[[object, str], object] = lambda value, name: value
+  env: str | None = None
+  parse: Callable[[str], object] | None = None
+  merge: Callable[[object, object], object] | None = None
+
+
+FIELDS: dict[str, Field] = {}
+
+
+def config_field(name: str, *, default=None, check=None, env: str | None = None, parse=None,
+                 merge=None) -> Field:
+  """Declares a setting of ``jaxcoll.config`` (:class:`Field`).
+
+  Raises:
+    ValueError: a name already declared, or a ``parse`` without an ``env``.
+
+  Example:
+    >>> import jaxcoll
+    >>> from jaxcoll.extend import config_field, remove_config_field, setting
+    >>> _ = config_field("chunks", default=4, env="JAXCOLL_CHUNKS", parse=int)
+    >>> with jaxcoll.config(chunks=8):
+    ...   setting("chunks")
+    8
+    >>> remove_config_field("chunks")
+  """
+  if name in FIELDS:
+    raise ValueError(f"config field {name!r} is already declared")
+  if parse is not None and env is None:
+    raise ValueError(f"config field {name!r}: parse= reads an environment variable; give env=")
+  field = Field(name, default, check or Field.check, env, parse, merge)
+  FIELDS[name] = field
+  return field
+
+
+def remove_config_field(name: str) -> None:
+  """Removes a setting :func:`config_field` declared (not a built-in one)."""
+  if name in BUILT_IN:
+    raise ValueError(f"config field {name!r} is built in")
+  FIELDS.pop(name, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """The configuration in effect (:func:`current`): the settings given, by name; a declared
+  field not given reads as its default (``current().profile``)."""
+
+  values: tuple[tuple[str, object], ...] = ()
+
+  def __getattr__(self, name: str):
+    if name in FIELDS:
+      return dict(self.values).get(name, FIELDS[name].default)
+    raise AttributeError(name)
+
+  def given(self, name: str):
+    """The value set for ``name``, or None."""
+    return dict(self.values).get(name)
 
   def updated(self, changes: Mapping) -> Config:
-    """This configuration with ``changes`` (``{field: value}``; algorithms merged)."""
-    fields = {k: v for k, v in changes.items() if k != "algorithm"}
-    algorithm = {**dict(self.algorithm), **changes.get("algorithm", {})}
-    return dataclasses.replace(self, algorithm=tuple(sorted(algorithm.items())), **fields)
+    """This configuration with ``changes`` (``{field: value}``, checked; merged where the
+    field merges)."""
+    values = dict(self.values)
+    for name, value in changes.items():
+      merge = FIELDS[name].merge
+      values[name] = merge(values[name], value) if merge and name in values else value
+    return Config(tuple(sorted(values.items())))
 
 
 # As jax keeps its own configuration: a process-wide value, which a plain
@@ -58,6 +127,35 @@ def current() -> Config:
   for changes in _scoped.get():
     out = out.updated(changes)
   return out
+
+
+def setting(name: str):
+  """The value of setting ``name`` in effect here: what ``jaxcoll.config`` sets, else its
+  environment variable's, else its default (merged with the variable's where the field
+  merges)."""
+  field = FIELDS[name]
+  configured, from_env = current().given(name), env_value(name)
+  if configured is not None and from_env is not None and field.merge is not None:
+    return field.merge(from_env, configured)
+  for value in (configured, from_env):
+    if value is not None:
+      return value
+  return field.default
+
+
+def env_value(name: str):
+  """Setting ``name``'s value from its environment variable (parsed and checked), or None
+  where it has none or the variable is unset or blank."""
+  field = FIELDS[name]
+  text = os.environ.get(field.env, "").strip() if field.env else ""
+  return _parsed(field.name, field.env, text) if text else None
+
+
+@functools.cache
+def _parsed(name: str, env: str, text: str):
+  """An environment variable's value, parsed and checked (once per distinct value)."""
+  field = FIELDS[name]
+  return field.check(field.parse(text) if field.parse else text, env)
 
 
 def check_choice(primitive, algorithm, where: str):
@@ -104,27 +202,14 @@ class config:  # noqa: N801 (used like a function: jaxcoll.config(...))
     'ring'
   """
 
-  def __init__(self, *, algorithm: Mapping | None = None, profile: Profile | str | None = None,
-               fused_kernel: bool | str | None = None, debug: bool | None = None, mesh=None):
+  def __init__(self, **settings):
     global _global
-    if fused_kernel not in (None, True, False, "auto"):
-      raise ValueError(f"config(fused_kernel={fused_kernel!r}): expected True, False or 'auto'")
-    if debug not in (None, True, False):
-      raise ValueError(f"config(debug={debug!r}): expected True or False")
-    if mesh is not None and not (hasattr(mesh, "devices") and hasattr(mesh, "axis_names")):
-      raise ValueError(f"config(mesh={mesh!r}): expected a jax.sharding.Mesh")
-    if algorithm is not None:
-      if not isinstance(algorithm, Mapping):
-        raise ValueError(f"config(algorithm={algorithm!r}): expected a mapping "
-                         "{primitive: algorithm}")
-      for p, a in algorithm.items():
-        check_choice(p, a, "config(algorithm=...)")
-      algorithm = dict(algorithm)
-    if profile is not None:
-      profile = Profile.resolve(profile, "config(profile=...)")
-    given = dict(algorithm=algorithm, profile=profile, fused_kernel=fused_kernel, debug=debug,
-                 mesh=mesh)
-    self._changes = {k: v for k, v in given.items() if v is not None}
+    unknown = sorted(set(settings) - set(FIELDS))
+    if unknown:
+      raise TypeError(f"config() got unexpected keyword arguments {unknown}; its settings are "
+                      f"{sorted(FIELDS)}")
+    self._changes = {name: FIELDS[name].check(value, name) for name, value in settings.items()
+                     if value is not None}
     self._before = _global
     self._set = _global = _global.updated(self._changes)
     self._token = None
@@ -146,23 +231,67 @@ class config:  # noqa: N801 (used like a function: jaxcoll.config(...))
     return False
 
 
-def env_algorithms() -> dict[str, str]:
-  """``JAXCOLL_ALGORITHM`` parsed and checked: ``{primitive: algorithm}`` (each value of
-  the variable parsed once)."""
-  return dict(_parse_env(os.environ.get(ENV_ALGORITHM, "").strip()))
+# ---- the built-in settings ----
+
+def _check_algorithm(algorithm, name):
+  """``{primitive: algorithm}`` kept as sorted pairs; a variable's text parsed to pairs."""
+  where = "config(algorithm=...)" if name == "algorithm" else name
+  if isinstance(algorithm, tuple):
+    algorithm = dict(algorithm)
+  if not isinstance(algorithm, Mapping):
+    raise ValueError(f"config(algorithm={algorithm!r}): expected a mapping "
+                     "{primitive: algorithm}")
+  for p, a in algorithm.items():
+    check_choice(p, a, where)
+  return tuple(sorted(algorithm.items()))
 
 
-@functools.cache
-def _parse_env(text: str) -> tuple[tuple[str, str], ...]:
+def _parse_algorithm(text: str) -> tuple[tuple[str, str], ...]:
+  """``JAXCOLL_ALGORITHM``: ``all_reduce=ring,all_gather=bruck``."""
   out = {}
   for item in filter(None, (s.strip() for s in text.split(","))):
     primitive, sep, algorithm = item.partition("=")
     if not sep:
       raise ValueError(f"{ENV_ALGORITHM}={text!r}: expected primitive=algorithm pairs separated "
                        "by commas, e.g. all_reduce=ring,all_gather=bruck")
-    check_choice(primitive.strip(), algorithm.strip(), ENV_ALGORITHM)
     out[primitive.strip()] = algorithm.strip()
   return tuple(out.items())
+
+
+def _merge_algorithm(outer, inner):
+  return tuple(sorted({**dict(outer), **dict(inner)}.items()))
+
+
+def _one_of(*choices):
+  def check(value, name):
+    if value not in choices:
+      raise ValueError(f"config({name}={value!r}): expected "
+                       f"{', '.join(map(repr, choices[:-1]))} or {choices[-1]!r}")
+    return value
+  return check
+
+
+def _parse_debug(text: str) -> bool:
+  """``JAXCOLL_DEBUG``: INFO or TRACE log every choice; WARN (or 0, OFF, NONE) is quiet."""
+  value = text.upper()
+  if value not in ("INFO", "TRACE", "WARN", "WARNING", "0", "OFF", "NONE"):
+    raise ValueError(f"{ENV_DEBUG}={value!r}: expected INFO (log every choice) or WARN (quiet)")
+  return value in ("INFO", "TRACE")
+
+
+def _check_mesh(mesh, name):
+  if not (hasattr(mesh, "devices") and hasattr(mesh, "axis_names")):
+    raise ValueError(f"config(mesh={mesh!r}): expected a jax.sharding.Mesh")
+  return mesh
+
+
+config_field("algorithm", default=(), check=_check_algorithm, env=ENV_ALGORITHM,
+             parse=_parse_algorithm, merge=_merge_algorithm)
+config_field("profile", check=lambda p, name: Profile.resolve(p, "config(profile=...)"))
+config_field("fused_kernel", default="auto", check=_one_of(True, False, "auto"))
+config_field("debug", check=_one_of(True, False), env=ENV_DEBUG, parse=_parse_debug)
+config_field("mesh", check=_check_mesh)
+BUILT_IN = tuple(FIELDS)
 
 
 def use_fused_kernel(chunk_bytes: int, dtype) -> bool:
@@ -176,8 +305,6 @@ def use_fused_kernel(chunk_bytes: int, dtype) -> bool:
 
 
 def override(primitive: str):
-  """The algorithm "auto" is overridden to for ``primitive``, or None."""
-  configured = dict(current().algorithm)
-  if primitive in configured:
-    return configured[primitive]
-  return env_algorithms().get(primitive)
+  """The algorithm "auto" is overridden to for ``primitive`` (``jaxcoll.config``'s, else
+  ``JAXCOLL_ALGORITHM``'s), or None."""
+  return dict(setting("algorithm")).get(primitive)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxcoll._src import checks
-from jaxcoll._src.interpreter import walk
+from jaxcoll._src.interpreter import While, form_of, walk
 from jaxcoll._src.table import Table
 
 _COLLECTIVES = ("psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant",
@@ -83,7 +83,7 @@ def traffic(fn, mesh, *args, **kwargs) -> Traffic:
 
   def visit(eqn, mult):
     name = eqn.primitive.name
-    if name == "while":
+    if isinstance(form_of(eqn), While):   # its trip count is not known: counted once
       unbounded[0] += 1
     if name in _COLLECTIVES:
       other[name] = other.get(name, 0) + mult

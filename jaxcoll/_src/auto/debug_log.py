@@ -16,28 +16,19 @@ logger has one, so an application's logging configuration takes precedence.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 from jaxcoll._src import config as config_lib
 from jaxcoll._src.schedules.algorithms import NATIVE
 from jaxcoll._src.units import format_ms
 
-ENV_DEBUG = "JAXCOLL_DEBUG"
-LEVELS = ("INFO", "TRACE")
 logger = logging.getLogger("jaxcoll")
 _seen: set = set()
 
 
 def enabled() -> bool:
   """Whether choices are logged: ``config(debug=...)`` if set, else ``JAXCOLL_DEBUG``."""
-  setting = config_lib.current().debug
-  if setting is not None:
-    return bool(setting)
-  value = os.environ.get(ENV_DEBUG, "").strip().upper()
-  if value and value not in LEVELS + ("WARN", "WARNING", "0", "OFF", "NONE"):
-    raise ValueError(f"{ENV_DEBUG}={value!r}: expected INFO (log every choice) or WARN (quiet)")
-  return value in LEVELS
+  return bool(config_lib.setting("debug"))
 
 
 def _handler() -> None:

@@ -64,9 +64,6 @@ class Candidate:
     """Its time over ``native``'s under the placement least favourable to it."""
     return max(t / max(n, 1e-30) for t, n in zip(self.placed_s, native.placed_s))
 
-  def beats(self, native: Candidate, margin: float) -> bool:
-    """Whether it is ``margin`` times faster than ``native`` under every placement."""
-    return all(t * margin < n for t, n in zip(self.placed_s, native.placed_s))
 
 
 def profile_in_use(profile: Profile | str | None = None) -> Profile:
@@ -134,9 +131,45 @@ def pick(weighed: Sequence[Candidate], *, native_allowed: bool = True,
   on this backend (never measured there) native is kept wherever it is allowed."""
   native, *scheduled = weighed
   best = min(scheduled, key=lambda c: c.vs(native), default=native)
-  if not native_allowed or (trusted and best.beats(native, NATIVE_MARGIN)):
+  if not native_allowed or replaces(best.placed_s, native.placed_s, trusted=trusted):
     return best
   return native
+
+
+def replaces(challenger_s: Sequence[float], default_s: Sequence[float], *,
+             trusted: bool = True) -> bool:
+  """The margin rule, the one place it is applied: a challenger (a schedule against the lax
+  collective; MoE's allgather formulation against its all_to_all) replaces the default only
+  under a profile ``trusted`` on this backend, and only where it is predicted
+  ``NATIVE_MARGIN`` times faster under every placement of the ranks (seconds per placement,
+  the same placements in the same order).
+
+  Example:
+    >>> from jaxcoll.extend import replaces
+    >>> replaces([1.0], [1.2]), replaces([1.0], [1.3]), replaces([1.0], [1.3], trusted=False)
+    (False, True, False)
+  """
+  return trusted and all(t * NATIVE_MARGIN < d for t, d in zip(challenger_s, default_s))
+
+
+def offered(primitive: str, algorithm, num_axes: int):
+  """``algorithm`` for a call of ``primitive`` over ``num_axes`` axes where a name applies to
+  several primitives (``use(algorithm="ring")``, FSDP's gather and its gradient's
+  reduce-scatter): the name where the primitive offers it over that many axes; "auto" for
+  "auto" and "native"; for a schedule's name the primitive lacks, "schedule" (auto among
+  jaxcoll's schedules: a schedule asked for keeps the call off the lax collective). An
+  algorithm value (not a name) is returned as it is. The one place this fallback is
+  decided.
+
+  Example:
+    >>> from jaxcoll.extend import offered_algorithm
+    >>> offered_algorithm("all_reduce", "ring", 1), offered_algorithm("all_to_all", "ring", 1)
+    ('ring', 'schedule')
+  """
+  if not isinstance(algorithm, str) or algorithm in algorithms_lib.algorithms(
+      primitive, num_axes=num_axes):
+    return algorithm
+  return "auto" if algorithm in ("auto", NATIVE) else SCHEDULE
 
 
 def trusted(profile: Profile) -> bool:

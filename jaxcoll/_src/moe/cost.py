@@ -13,8 +13,10 @@ By bytes alone, all_to_all sends 2 (N-1)/N * E * C * d * s ~ 2 (N-1)/N * k * f *
 (f the capacity factor) and allgather 2 (N-1) * T * d * s: the ring of experts sends less
 once k * f > N. Here every collective is priced by :func:`jaxcoll.explain` (the
 collectives' own cost model and profile, each call at the algorithm its own auto picks) and
-all_to_all runs unless allgather is predicted ``NATIVE_MARGIN`` (1.25x) faster: all_to_all
-is the conventional exchange (the lax implementation's), and the model does not price
+all_to_all runs unless allgather is predicted ``NATIVE_MARGIN`` (1.25x) faster under a
+profile measured on this backend (auto's margin rule, :func:`jaxcoll.extend.replaces`, the
+one place it is applied): all_to_all is the conventional exchange (the lax
+implementation's), and the model does not price
 local work, which the ring of experts has more of (N * T gathered tokens, an
 ``[N * T, d]`` partial sum; README, Mixture of experts, has a case where it mattered).
 Dropless dispatch loops over chunks as the load requires, which trace time cannot know:
@@ -41,6 +43,7 @@ from jaxcoll.extend import (
   check_one_of,
   format_seconds,
   format_size,
+  replaces,
 )
 
 ALL_TO_ALL, ALLGATHER = "all_to_all", "allgather"
@@ -228,7 +231,8 @@ def explain_moe(x, k: int, *, num_experts: int, capacity: int, mesh, axis_name,
            MoECall(ALLGATHER, "combine", price("reduce_scatter", sds(n * t, d),
                                                combine_wire_dtype))]
   moe = MoEExplanation(t, d, k, num_experts, capacity, axes, sizes, ALL_TO_ALL, tuple(calls))
-  if moe.predicted_s(ALLGATHER) * NATIVE_MARGIN < moe.predicted_s(ALL_TO_ALL):
+  if replaces([moe.predicted_s(ALLGATHER)], [moe.predicted_s(ALL_TO_ALL)],
+              trusted=all(c.explanation.trusted for c in calls)):   # auto's margin rule
     moe = dataclasses.replace(moe, chosen=ALLGATHER)
   return moe
 

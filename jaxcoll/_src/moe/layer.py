@@ -37,16 +37,12 @@ from jaxcoll._src.moe.dispatch_combine import (
   dispatch,
   dispatch_chosen,
   expert_load,
-  load_balancing_loss,
-  route,
-  router_z_loss,
   total_dropped,
 )
 from jaxcoll._src.moe.grouped_matmul import grouped_matmul
-from jaxcoll._src.moe.routers import route_biased, route_experts
+from jaxcoll._src.moe.routers import LAYER_OPTIONS, ROUTERS
 from jaxcoll.extend import axis_size, check_int, check_number, check_one_of, normalize_axes
 
-ROUTERS = ("softmax", "sigmoid", "experts")
 ACTIVATIONS = {"swiglu": None, "gelu": jax.nn.gelu, "relu": jax.nn.relu, "silu": jax.nn.silu}
 
 
@@ -168,51 +164,44 @@ def layer(params: dict, x, *, axis_name, k: int | None = None, router: str = "so
     >>> y.shape, int(dropped[0])
     ((64, 16), 0)
   """
-  check_one_of(router, ROUTERS, "router")
+  check_one_of(router, tuple(ROUTERS), "router")
   check_one_of(layout, ("auto", "buffers", "sorted"), "layout")
   check_one_of(activation, tuple(ACTIVATIONS), "activation")
   if capacity_factor is not None:
     check_number(capacity_factor, "capacity_factor", above=0)
-  if key is not None and router != "softmax":
-    raise ValueError(f"key applies to router='softmax' (Gumbel noise); this layer's router is "
-                     f"{router!r}")
-  if (groups, top_groups) != (1, 1) and router != "sigmoid":
-    raise ValueError(f"groups={groups}, top_groups={top_groups} apply to router='sigmoid'")
+  chosen = ROUTERS[router]
+  options = _router_options(chosen, key=key, groups=groups, top_groups=top_groups)
+  for name in chosen.params:
+    if name not in params:
+      raise ValueError(f"router={router!r} chooses by params[{name!r}] (init_layer(..., "
+                       f"{name}=True))")
   x = jnp.asarray(x)
   logits = x @ params["router"].astype(x.dtype)
   t, e = logits.shape
   n = axis_size(normalize_axes(axis_name))
   local = _local(params, e // n, activation)
   sorted_ = layout == "sorted" or (layout == "auto" and capacity_factor is None)
-  zero = jnp.zeros((), jnp.float32)
-  aux = {"load_balancing_loss": zero, "router_z_loss": zero}
-  if router == "experts":
+  if chosen.expert_choice:
     if k is not None:
-      raise ValueError(f"k={k!r} applies to the token-choice routers; with router='experts' "
+      raise ValueError(f"k={k!r} applies to the token-choice routers; with router={router!r} "
                        f"each expert chooses its tokens")
     if capacity_factor is None or layout == "sorted":
-      raise ValueError("router='experts' fills every expert to capacity(T, E, 1, "
+      raise ValueError(f"router={router!r} fills every expert to capacity(T, E, 1, "
                        "capacity_factor) in the buffers layout: give a capacity_factor and "
                        "layout 'auto' or 'buffers'")
-    tokens, gates = route_experts(logits, capacity(t, e, 1, capacity_factor))
+    tokens, gates, losses = chosen.route(logits, capacity(t, e, 1, capacity_factor), params,
+                                         **options)
     h, state = dispatch_chosen(x, tokens, axis_name=axis_name, algorithm=algorithm,
-                                   wire_dtype=wire_dtype)
+                               wire_dtype=wire_dtype)
   else:
     k = 2 if k is None else k
-    if router == "softmax":
-      ids, gates = route(logits, k, key=key)
-      aux = {"load_balancing_loss": load_balancing_loss(logits, ids),
-             "router_z_loss": router_z_loss(logits)}
-    else:
-      if "bias" not in params:
-        raise ValueError("router='sigmoid' chooses by params['bias'] ([E]; init_layer(..., "
-                         "bias=True))")
-      ids, gates = route_biased(logits, k, jax.lax.stop_gradient(params["bias"]),
-                                    groups=groups, top_groups=top_groups)
+    ids, gates, losses = chosen.route(logits, k, params, **options)
     h, state = dispatch(x, ids, num_experts=e, capacity=None if capacity_factor is None
                         else capacity(t, e, k, capacity_factor), axis_name=axis_name,
                         algorithm=algorithm, wire_dtype=wire_dtype,
                         layout="sorted" if sorted_ else "buffers", buffer_factor=buffer_factor)
+  zero = jnp.zeros((), jnp.float32)
+  aux = {"load_balancing_loss": zero, "router_z_loss": zero, **losses}
   if state.layout == "sorted":
     matmul = lambda a, w: grouped_matmul(a, w.astype(a.dtype), state.group_sizes)
   else:
@@ -223,6 +212,22 @@ def layer(params: dict, x, *, axis_name, k: int | None = None, router: str = "so
     y = y + _ffn(params["shared"], x, activation, lambda a, w: a @ w.astype(a.dtype))
   aux.update(dropped=total_dropped(state), load=expert_load(state))
   return y, aux
+
+
+def _router_options(chosen, **given) -> dict:
+  """The routing options ``chosen`` takes, from the layer's (``given``); an error for one it
+  does not take that was given a value other than its default."""
+  def is_default(name):
+    default = LAYER_OPTIONS[name]
+    return given[name] is None if default is None else given[name] == default
+  stray = [name for name in given if name not in chosen.options and not is_default(name)]
+  if stray:
+    takers = [r.name for r in ROUTERS.values() if set(stray) & set(r.options)]
+    named = [n if LAYER_OPTIONS[n] is None else f"{n}={given[n]!r}" for n in stray]
+    raise ValueError(f"{', '.join(named)} appl{'ies' if len(stray) == 1 else 'y'} to router="
+                     f"{' or '.join(map(repr, takers)) or 'none'}; this layer's router is "
+                     f"{chosen.name!r}")
+  return {name: given[name] for name in chosen.options}
 
 
 def _local(params: dict, local: int, activation: str) -> dict:

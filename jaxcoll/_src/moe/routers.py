@@ -21,11 +21,19 @@ this device's (its group); not for decoders, whose tokens would see the future.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Mapping
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcoll._src.moe.dispatch_combine import _logits
+from jaxcoll._src.moe.dispatch_combine import (
+  _logits,
+  load_balancing_loss,
+  route,
+  router_z_loss,
+)
 from jaxcoll.extend import check_int, check_number, check_one_of
 
 SCORES = {"sigmoid": jax.nn.sigmoid, "softmax": lambda s: jax.nn.softmax(s, axis=-1)}
@@ -156,3 +164,92 @@ def route_experts(logits, capacity: int):
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
   gates, tokens = lax.top_k(probs.T, capacity)
   return tokens.astype(jnp.int32), gates.astype(logits.dtype)
+
+
+# ---- the routers of jaxcoll.moe.layer: one declaration each ----
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+  """A router :func:`jaxcoll.moe.layer` runs by name: one declaration (:func:`register_router`)
+  holds what the layer checks and calls.
+
+  Attributes:
+    name: what ``layer(router=...)`` names it by.
+    route: token choice: ``route(logits [T, E], k, params, **options) -> (expert ids [T, k],
+      gates [T, k], losses)``; expert choice: ``route(logits, capacity, params, **options) ->
+      (token ids [E, C], gates [E, C], losses)``. ``losses``: a dict of the auxiliary losses
+      it adds (``load_balancing_loss``, ``router_z_loss``; those it leaves out are 0).
+    options: the layer's routing options it takes, by name, with the layer's defaults
+      (``key``, ``groups``, ``top_groups``): any other given a value other than its default
+      is an error naming the routers that take it.
+    params: the entries of the layer's ``params`` it reads besides ``router`` (checked
+      present).
+    expert_choice: each expert chooses its tokens (no ``k``; a capacity factor and the
+      buffers layout needed).
+  """
+
+  name: str
+  route: Callable
+  options: Mapping[str, object] = dataclasses.field(default_factory=dict)
+  params: tuple[str, ...] = ()
+  expert_choice: bool = False
+
+
+ROUTERS: dict[str, Router] = {}
+LAYER_OPTIONS = {"key": None, "groups": 1, "top_groups": 1}   # the layer's routing options
+
+
+def register_router(router: Router) -> Router:
+  """Declares a router for :func:`jaxcoll.moe.layer` (``layer(router=router.name)``).
+
+  Raises:
+    ValueError: a name already declared; an option the layer does not have.
+
+  Example:
+    >>> import jax, jaxcoll
+    >>> from jaxcoll.moe import Router, register_router, unregister_router
+    >>> def top1(logits, k, params):
+    ...   ids, gates = jaxcoll.moe.route(logits, k)
+    ...   return ids, gates, {}
+    >>> _ = register_router(Router("plain", top1))
+    >>> unregister_router("plain")
+  """
+  if router.name in ROUTERS:
+    raise ValueError(f"router {router.name!r} is already declared")
+  unknown = sorted(set(router.options) - set(LAYER_OPTIONS))
+  if unknown:
+    raise ValueError(f"router {router.name!r} takes options {unknown} the layer does not have; "
+                     f"expected some of {sorted(LAYER_OPTIONS)}")
+  ROUTERS[router.name] = router
+  return router
+
+
+def unregister_router(name: str) -> None:
+  """Removes a router :func:`register_router` declared (not a built-in one)."""
+  if name in BUILT_IN:
+    raise ValueError(f"router {name!r} is built in")
+  ROUTERS.pop(name, None)
+
+
+def _softmax(logits, k, params, *, key=None):
+  ids, gates = route(logits, k, key=key)
+  return ids, gates, {"load_balancing_loss": load_balancing_loss(logits, ids),
+                      "router_z_loss": router_z_loss(logits)}
+
+
+def _sigmoid(logits, k, params, *, groups=1, top_groups=1):
+  ids, gates = route_biased(logits, k, jax.lax.stop_gradient(params["bias"]), groups=groups,
+                            top_groups=top_groups)
+  return ids, gates, {}
+
+
+def _experts(logits, capacity, params):
+  tokens, gates = route_experts(logits, capacity)
+  return tokens, gates, {}
+
+
+for _router in (Router("softmax", _softmax, {"key": None}),
+                Router("sigmoid", _sigmoid, {"groups": 1, "top_groups": 1}, ("bias",)),
+                Router("experts", _experts, expert_choice=True)):
+  register_router(_router)
+BUILT_IN = tuple(ROUTERS)

@@ -47,7 +47,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src.collectives import all_gather, reduce_scatter
-from jaxcoll._src.schedules.algorithms import algorithms
 from jaxcoll.extend import (
   axes_in_mesh,
   axis_index,
@@ -57,6 +56,7 @@ from jaxcoll.extend import (
   check_int,
   check_rounding,
   normalize_axes,
+  offered_algorithm,
   round_to,
   wire_format,
 )
@@ -272,15 +272,6 @@ def _gather_stage_bwd(stage, key, ct):
 _gather_stage.defvjp(_gather_stage_fwd, _gather_stage_bwd)
 
 
-def _available(primitive: str, algorithm, num_axes: int):
-  """``algorithm`` where ``primitive`` has it over that many axes (a gradient's
-  reduce-scatter after a bruck gather, a one-axis hpZ stage of a hierarchical gather),
-  else "auto"."""
-  if not isinstance(algorithm, str) or algorithm in algorithms(primitive, num_axes=num_axes):
-    return algorithm
-  return "auto"
-
-
 def _split(axes: tuple[str, ...], secondary_axis) -> list[tuple[str, ...]]:
   """The gather's stages: all of ``axes``, or (hpZ) the axes before ``secondary_axis`` and
   then ``secondary_axis`` (the innermost of ``axes``)."""
@@ -302,8 +293,8 @@ def _leaf_stages(s: Sharded, stages, options: dict) -> list[_Stage]:
   out, given = [], s.value.dtype
   for axes in stages:
     algorithm = options["algorithm"]
-    out.append(_Stage(axes, _available("all_gather", algorithm, len(axes)),
-                      _available("reduce_scatter", algorithm, len(axes)),
+    out.append(_Stage(axes, offered_algorithm("all_gather", algorithm, len(axes)),
+                      offered_algorithm("reduce_scatter", algorithm, len(axes)),
                       options["wire_dtype"] if floating else None,
                       options["grad_wire_dtype"] if floating else None, dtype, given))
     given = dtype
@@ -386,7 +377,8 @@ def gather(params, axis_name, *, algorithm="auto", wire_dtype=None, grad_wire_dt
     axis_name: the mesh axis (or tuple) the parameters are sharded over.
     algorithm: the all_gather algorithm (any of ``jaxcoll.algorithms("all_gather")``); the
       gradient's reduce-scatter, and each hpZ stage, runs the same one where it exists for
-      that primitive and number of axes, else auto.
+      that primitive and number of axes, else "schedule" (auto among jaxcoll's schedules),
+      as ``jaxcoll.use`` does (:func:`jaxcoll.extend.offered_algorithm`).
     wire_dtype: qwZ: the gathers send compressed blocks (``jaxcoll.WIRE_DTYPES``).
     grad_wire_dtype: qgZ: the gradient's reduce-scatter sends compressed partial sums.
     secondary_axis: hpZ: gather over the other axes first, then over this one (the

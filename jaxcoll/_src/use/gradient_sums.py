@@ -37,7 +37,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src.collectives import all_reduce
 from jaxcoll._src.use.placement import with_leading
-from jaxcoll.extend import compresses
 
 vary_p = Primitive("jaxcoll_vary")
 stack_p = Primitive("jaxcoll_stack")
@@ -58,7 +57,8 @@ def stack(x, mesh, axes: tuple[str, ...], spec, algorithm="auto", wire_dtype=Non
 
 
 def _sum(ct, axes, algorithm, wire_dtype):
-  wire = {"wire_dtype": wire_dtype} if compresses(wire_dtype, ct.dtype) else {}
+  """The gradient sum, on the wire ``use`` decided for it (:meth:`Options.wire_for`)."""
+  wire = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
   return all_reduce(ct, axes, algorithm=algorithm, **wire)
 
 

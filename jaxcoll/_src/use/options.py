@@ -13,12 +13,12 @@ from jaxcoll._src.schedules.algorithms import algorithms
 from jaxcoll._src.spec import PRIMITIVES
 from jaxcoll._src.use.gradient_sums import stack, vary
 from jaxcoll.extend import (
-  NATIVE,
   SCHEDULE,
   check_axis_names,
   check_choice,
   check_flag,
   compresses,
+  offered_algorithm,
   record_where,
   wire_format,
 )
@@ -54,15 +54,12 @@ class Options:
     self.casts = True   # pvary as jaxcoll's vary (False inside a global program's shard_map)
 
   def algorithm_for(self, primitive: str, axes: tuple[str, ...]):
-    """A name applies to each primitive that offers it (hierarchical: over two axes or more);
-    every other primitive gets "auto", or, when the name is a schedule's, "schedule" (auto
-    among the schedules: forcing a schedule keeps every collective off the lax one)."""
+    """The algorithm a ``primitive`` over ``axes`` runs: a mapping's entry (else "auto"), or
+    the one name, where the primitive offers it (:func:`jaxcoll.extend.offered_algorithm`:
+    else "auto" for "auto" and "native", "schedule" for a schedule's name)."""
     if isinstance(self.algorithm, dict):
       return self.algorithm.get(primitive, "auto")
-    name = self.algorithm
-    if name not in algorithms(primitive, num_axes=len(axes)):
-      return "auto" if name in ("auto", NATIVE) else SCHEDULE
-    return name
+    return offered_algorithm(primitive, self.algorithm, len(axes))
 
   def wire_for(self, primitive: str, dtype, op: str = "sum") -> dict:
     """``wire_dtype=`` where ``use`` sends a collective compressed: the sums
@@ -90,12 +87,15 @@ class Options:
     return {"wire_dtype": self.wire}
 
   def vary(self, x, axes: tuple[str, ...]):
-    """:func:`varying.vary` with this rewrite's algorithm and wire format for its sum."""
-    return vary(x, axes, *self._sum_options(axes))
+    """:func:`gradient_sums.vary` with this rewrite's algorithm and wire for its sum."""
+    return vary(x, axes, *self._sum_options(x, axes))
 
   def stack(self, x, mesh, axes: tuple[str, ...], spec):
-    """:func:`varying.stack` with this rewrite's algorithm and wire format for its sum."""
-    return stack(x, mesh, axes, spec, *self._sum_options(axes))
+    """:func:`gradient_sums.stack` with this rewrite's algorithm and wire for its sum."""
+    return stack(x, mesh, axes, spec, *self._sum_options(x, axes))
 
-  def _sum_options(self, axes) -> tuple:
-    return self.algorithm_for("all_reduce", axes), self.wire
+  def _sum_options(self, x, axes) -> tuple:
+    """The algorithm and wire (None: uncompressed) of the gradient sum of ``x``, decided
+    here as for every other sum."""
+    return (self.algorithm_for("all_reduce", axes),
+            self.wire_for("all_reduce", x.dtype).get("wire_dtype"))

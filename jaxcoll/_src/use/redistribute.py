@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcoll._src.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
+from jaxcoll._src.training.buckets import assign
 from jaxcoll._src.training.gradient_sync import BUCKET_BYTES, sync_gradients
 from jaxcoll._src.use.placement import Axes, Placement
 from jaxcoll.extend import axis_index, axis_size
@@ -185,7 +186,8 @@ def reduce_many(items: Sequence[tuple[object, Placement, Placement]], comm: Comm
                            tiled=True)
       places[i] = _scattered(src, d, axes)
   for (axes, _), members in scattered.items():
-    for bucket in _buckets(members, values, bucket_bytes):
+    for packed in assign([values[i] for i in members], bucket_bytes):   # as sync_gradients
+      bucket = [members[j] for j in packed.leaves]
       ds = [_scatter(items[i][1], items[i][2])[0] for i in bucket]
       for i, d, v in zip(bucket, ds, _scatter_together([values[i] for i in bucket], ds, axes,
                                                        comm)):
@@ -202,18 +204,6 @@ def reduce_many(items: Sequence[tuple[object, Placement, Placement]], comm: Comm
     for i, v in zip(members, synced):
       values[i], places[i] = v, Placement(places[i].dims, places[i].partial - set(axes))
   return [redistribute(v, p, dst, comm) for v, p, (_, _, dst) in zip(values, places, items)]
-
-
-def _buckets(members, values, bucket_bytes) -> list[list[int]]:
-  out, size = [[]], 0
-  for i in reversed(members):   # the last values first, as sync_gradients
-    nbytes = int(values[i].size) * values[i].dtype.itemsize
-    if out[-1] and size + nbytes > bucket_bytes:
-      out.append([])
-      size = 0
-    out[-1].append(i)
-    size += nbytes
-  return out
 
 
 def _scatter_together(values, dims: Sequence[int], axes: Axes, comm: Comm) -> list:

@@ -51,15 +51,94 @@ from jax import lax
 
 from jaxcoll._src import checks
 
-WIRE_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
 DEFAULT_BLOCK_SIZE = 256
-_SCALED = {"int8": 126.0, "float8_e4m3fn": 416.0, "float8_e5m2": 57344.0}   # finite range
-# codes of +inf, -inf and NaN in each scaled format (outside the finite range above)
-_SPECIAL = {"int8": (127.0, -127.0, -128.0), "float8_e4m3fn": (448.0, -448.0, math.nan),
-            "float8_e5m2": (math.inf, -math.inf, math.nan)}
-_EPS = {"bfloat16": 2.0 ** -8, "int8": 1 / 126, "float8_e4m3fn": 2.0 ** -4 + 2.0 ** -17,
-        "float8_e5m2": 2.0 ** -3 + 2.0 ** -31}
 MIN_EXPONENT = -126  # scales stay normal float32 numbers
+
+
+@dataclasses.dataclass(frozen=True)
+class Element:
+  """How one wire dtype carries float32 values: a format is this one declaration
+  (:func:`register_wire_format`); encoding, decoding, the fused kernel's decode, the cost
+  model's bytes and every error read it.
+
+  Attributes:
+    name: the element dtype's name, as numpy or ml_dtypes knows it.
+    relative_error: eps: one encode/decode errs by at most eps times the largest finite
+      magnitude of the block (module docstring).
+    finite_max: block-scaled formats: the largest magnitude a scaled value may take (the
+      block's scale 2**e makes its largest finite value fit); None: each value rounded as it
+      is, no scale (the dtype must hold float32's exponent range, as bfloat16 does).
+    specials: the codes of +inf, -inf and NaN, outside ``[-finite_max, finite_max]``; None
+      where the dtype's own inf and NaN carry them.
+    integer: scaled values are rounded to integers before the cast (an integer dtype).
+  """
+
+  name: str
+  relative_error: float
+  finite_max: float | None = None
+  specials: tuple[float, float, float] | None = None
+  integer: bool = False
+
+  @property
+  def codes(self) -> tuple[float, float, float]:
+    """What +inf, -inf and NaN are sent as."""
+    return self.specials or (math.inf, -math.inf, math.nan)
+
+
+ELEMENTS: dict[str, Element] = {}
+
+
+def register_wire_format(element: Element) -> Element:
+  """Declares a wire format: from then on every collective, integration and tool takes
+  ``wire_dtype=element.name`` (:func:`wire_dtypes` lists it).
+
+  Raises:
+    ValueError: a name numpy and ml_dtypes do not know, or one already declared; a
+      ``finite_max`` the dtype cannot hold; an unscaled format of an integer dtype.
+
+  Example:
+    >>> import jaxcoll
+    >>> from jaxcoll.extend import WireElement, register_wire_format, unregister_wire_format
+    >>> fp16 = register_wire_format(WireElement("float16", 2.0 ** -11, finite_max=32768.0))
+    >>> jaxcoll.WireFormat("float16").bytes_per_value
+    2.00390625
+    >>> unregister_wire_format("float16")
+  """
+  if element.name in ELEMENTS:
+    raise ValueError(f"wire format {element.name!r} is already declared")
+  dtype = np.dtype(getattr(ml_dtypes, element.name, element.name))
+  if element.finite_max is None and (element.integer or not jnp.issubdtype(dtype, jnp.floating)):
+    raise ValueError(f"wire format {element.name!r}: an integer dtype needs a finite_max "
+                     "(block scaling)")
+  if element.finite_max is not None:
+    top = np.iinfo(dtype).max if element.integer else float(ml_dtypes.finfo(dtype).max)
+    if not 0 < element.finite_max <= top:
+      raise ValueError(f"wire format {element.name!r}: finite_max={element.finite_max} "
+                       f"must be in (0, {top}]")
+  ELEMENTS[element.name] = element
+  return element
+
+
+def unregister_wire_format(name: str) -> None:
+  """Removes a format :func:`register_wire_format` declared (not a built-in one)."""
+  if name in WIRE_DTYPES:
+    raise ValueError(f"wire format {name!r} is built in")
+  ELEMENTS.pop(name, None)
+
+
+def wire_dtypes() -> tuple[str, ...]:
+  """Every declared wire format's name: the built-in :data:`WIRE_DTYPES` and those
+  registered since."""
+  return tuple(ELEMENTS)
+
+
+for _element in (
+    Element("bfloat16", 2.0 ** -8),
+    Element("float8_e4m3fn", 2.0 ** -4 + 2.0 ** -17, 416.0, (448.0, -448.0, math.nan)),
+    Element("float8_e5m2", 2.0 ** -3 + 2.0 ** -31, 57344.0),
+    Element("int8", 1 / 126, 126.0, (127.0, -127.0, -128.0), integer=True)):
+  register_wire_format(_element)
+WIRE_DTYPES = wire_dtypes()   # the built-in formats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +158,16 @@ class WireFormat:
   block_size: int = DEFAULT_BLOCK_SIZE
 
   def __post_init__(self):
-    if self.name not in WIRE_DTYPES:
-      raise ValueError(f"wire_dtype={self.name!r}: expected one of {WIRE_DTYPES} "
+    if self.name not in ELEMENTS:
+      raise ValueError(f"wire_dtype={self.name!r}: expected one of {wire_dtypes()} "
                        "(or the input's own dtype, which sends it uncompressed)")
     b = checks.integer(self.block_size, "wire_block_size", least=1)
     if b & (b - 1):
       raise ValueError(f"wire_block_size={b!r} must be a positive power of two")
+
+  @property
+  def element(self) -> Element:
+    return ELEMENTS[self.name]
 
   @property
   def dtype(self) -> np.dtype:
@@ -92,7 +175,7 @@ class WireFormat:
 
   @property
   def scaled(self) -> bool:
-    return self.name in _SCALED
+    return self.element.finite_max is not None
 
   @property
   def bytes_per_value(self) -> float:
@@ -106,7 +189,7 @@ class WireFormat:
   @property
   def relative_error(self) -> float:
     """eps: one encode/decode errs by at most eps * (largest magnitude in the block)."""
-    return _EPS[self.name]
+    return self.element.relative_error
 
   def block_length(self, row_length: int) -> int:
     """Values per exponent in rows of ``row_length``: block_size, or the next power of two
@@ -143,14 +226,14 @@ class WireFormat:
     k, length = rows.shape
     b = self.block_length(length)
     blocks = rows.reshape(k, length // b, b)
-    fmax = _SCALED[self.name]
+    fmax = self.element.finite_max
     finite = jnp.isfinite(blocks)
     e = _exponents(jnp.max(jnp.where(finite, jnp.abs(blocks), 0.0), axis=-1, keepdims=True),
                    fmax)
     scaled = jnp.clip(blocks * pow2(-e), -fmax, fmax)
-    if self.name == "int8":
+    if self.element.integer:
       scaled = jnp.round(scaled)
-    pos_inf, neg_inf, nan = _SPECIAL[self.name]
+    pos_inf, neg_inf, nan = self.element.codes
     special = jnp.where(jnp.isnan(blocks), nan, jnp.where(blocks > 0, pos_inf, neg_inf))
     values = jnp.where(finite, scaled, special).astype(self.dtype)
     return values.reshape(k, length), e[..., 0].astype(jnp.int8)
@@ -178,7 +261,7 @@ def wire_name(wire_dtype, where: str = "wire_dtype") -> str:
 
 
 def _unknown(wire_dtype, where: str):
-  raise ValueError(f"{where}={wire_dtype!r}: expected one of {WIRE_DTYPES}, None or x's own "
+  raise ValueError(f"{where}={wire_dtype!r}: expected one of {wire_dtypes()}, None or x's own "
                    "dtype (sent uncompressed)")
 
 
@@ -199,7 +282,7 @@ def wire_format(wire_dtype, dtype, block_size: int = DEFAULT_BLOCK_SIZE, *,
   dtype = np.dtype(dtype)
   if name == dtype.name:
     return None
-  if name not in WIRE_DTYPES:
+  if name not in ELEMENTS:
     _unknown(wire_dtype, where)
   fmt = WireFormat(name, block_size)
   if not jnp.issubdtype(dtype, jnp.floating):
@@ -215,7 +298,7 @@ def compresses(wire_dtype, dtype) -> bool:
   if wire_dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     return False
   name = wire_name(wire_dtype)
-  if name not in WIRE_DTYPES:
+  if name not in ELEMENTS:
     _unknown(wire_dtype, "wire_dtype")
   fmt = WireFormat(name)
   return fmt.scaled or np.dtype(dtype).itemsize > fmt.dtype.itemsize
@@ -248,14 +331,14 @@ def dequantize(values, block_scales, dtype=jnp.float32):
   (:meth:`WireFormat.decode`) and on tiles loaded in the body of the Pallas fused combine
   kernel, which decodes in its work dtype (float32 for float data up to 32 bits).
   """
-  name = np.dtype(values.dtype).name
+  element = ELEMENTS.get(np.dtype(values.dtype).name)
   values = values.astype(dtype)
   if block_scales is None:
     return values
   out = values * block_scales
-  if name not in _SPECIAL or name == "float8_e5m2":   # e5m2's inf and NaN decode as they are
+  if element is None or element.specials is None:   # the dtype's own inf and NaN decode
     return out
-  pos_inf, neg_inf, nan = _SPECIAL[name]
+  pos_inf, neg_inf, nan = element.specials
   out = jnp.where(values == pos_inf, jnp.inf, jnp.where(values == neg_inf, -jnp.inf, out))
   return out if math.isnan(nan) else jnp.where(values == nan, jnp.nan, out)
 
@@ -274,6 +357,8 @@ def unpack(fmt: WireFormat, message, row_length: int):
   """Inverse of :func:`pack`: (values, exponents)."""
   if not fmt.scaled:
     return message, None
-  n = row_length * fmt.dtype.itemsize
-  values = lax.bitcast_convert_type(message[:, :n], fmt.dtype)   # 1-byte elements
+  size = fmt.dtype.itemsize
+  n = row_length * size
+  codes = message[:, :n] if size == 1 else message[:, :n].reshape(-1, row_length, size)
+  values = lax.bitcast_convert_type(codes, fmt.dtype)
   return values, lax.bitcast_convert_type(message[:, n:], jnp.int8)

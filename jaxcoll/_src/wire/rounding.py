@@ -83,8 +83,15 @@ def check(rounding, key, *, op: str | None = None, dtypes=None, where: str = "ro
 def leaf_keys(key, dtypes) -> list:
   """One key per leaf: ``key`` folded with the leaf's index for bfloat16/float16 leaves,
   None for the others (rounded to nearest: exact in their own dtype's arithmetic)."""
-  return [None if key is None or not low_precision(d) else jax.random.fold_in(key, i)
+  return [jax.random.fold_in(key, i) if rounds_stochastically(key is not None, d) else None
           for i, d in enumerate(dtypes)]
+
+
+def rounds_stochastically(stochastic: bool, dtype) -> bool:
+  """Whether a leaf of ``dtype`` in a reduction asked to round stochastically does: only
+  bfloat16/float16 leaves (the others round to nearest). The one place it is decided, for
+  a call (:func:`leaf_keys`) and for ``algorithm_of`` alike."""
+  return stochastic and low_precision(dtype)
 
 
 def round_to(y, dtype, key=None):

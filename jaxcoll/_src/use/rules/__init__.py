@@ -36,8 +36,7 @@ its shape parameters made local, and returns the outputs' pieces with their plac
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from jaxcoll._src.use.rule_table import RULES, register_rule, unregister_rule
 from jaxcoll._src.use.rules.annotations import _identity, _to_named, laid_out_as_asked
 from jaxcoll._src.use.rules.contractions import _arg_reduce, _dot_general, _reduce_sum, _reduce_with
 from jaxcoll._src.use.rules.control_flow import BY_FORM, REBUILT
@@ -69,7 +68,7 @@ from jaxcoll._src.use.rules.shapes import (
   _whole_along,
 )
 
-RULES = {name: _elementwise for name in ELEMENTWISE}
+RULES.update({name: _elementwise for name in ELEMENTWISE})
 RULES.update({
     "dot_general": _dot_general,
     "reduce_sum": _reduce_sum,
@@ -100,13 +99,5 @@ RULES.update({
 })
 
 
-def register_rule(primitive: str, rule: Callable | str) -> None:
-  """Declares how ``use`` runs ``primitive`` per device in a global program: ``rule(ev, eqn,
-  ins)`` (the :class:`~jaxcoll._src.use.evaluator.Evaluator`, the equation, its inputs'
-  pieces; returns its outputs' pieces), or the name of a primitive whose rule it shares
-  ("add": elementwise; "optimization_barrier": passes its inputs through)."""
-  RULES[primitive] = RULES[rule] if isinstance(rule, str) else rule
-
-
 __all__ = ["BY_FORM", "ELEMENTWISE", "REBUILT", "RULES", "Refused", "fallback", "keeps_partial",
-           "laid_out_as_asked", "register_rule"]
+           "laid_out_as_asked", "register_rule", "unregister_rule"]
