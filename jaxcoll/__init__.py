@@ -1,9 +1,9 @@
 """jaxcoll: custom collective communication for JAX, built from ppermute schedules."""
 
 from jaxcoll import distributed, extend, fsdp, kernels, moe, optax, tools
-from jaxcoll._src.auto.calibrate import calibrate
 from jaxcoll._src.auto.explain import Explanation, Explanations, explain
 from jaxcoll._src.auto.profile import Link, NativeTimes, Profile
+from jaxcoll._src.calibrate import calibrate
 from jaxcoll._src.collectives import (
   all_gather,
   all_reduce,
@@ -14,9 +14,9 @@ from jaxcoll._src.collectives import (
   shift,
 )
 from jaxcoll._src.config import config
+from jaxcoll._src.register import register
 from jaxcoll._src.schedules.algorithms import algorithms, schedule
 from jaxcoll._src.schedules.algorithms.hierarchical import Hierarchical
-from jaxcoll._src.schedules.register import register
 from jaxcoll._src.schedules.schedule import PRIMITIVES, AxisTraffic, Schedule, Step, Transfer
 from jaxcoll._src.spec import CollectiveSpec, spec
 from jaxcoll._src.table import Table

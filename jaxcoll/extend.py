@@ -24,14 +24,13 @@ names of the lax collective and of auto among the schedules (:data:`NATIVE`,
 :func:`record_in_use`, :func:`record_repeated`, :func:`record_where`).
 """
 
-from jaxcoll._src.auto.dispatch import NATIVE_MARGIN, replaces
+from jaxcoll._src.auto.dispatch import NATIVE_MARGIN, check_choice, replaces
 from jaxcoll._src.auto.dispatch import offered as offered_algorithm
 from jaxcoll._src.axes import index as axis_index
 from jaxcoll._src.axes import normalize as normalize_axes
 from jaxcoll._src.axes import size as axis_size
 from jaxcoll._src.axes import sizes as axis_sizes
 from jaxcoll._src.checks import accumulate as check_accumulate
-from jaxcoll._src.checks import algorithm as check_algorithm
 from jaxcoll._src.checks import as_axes, axes_in_mesh, mesh_shape
 from jaxcoll._src.checks import axis_tuple as check_axis_names
 from jaxcoll._src.checks import choice as check_one_of
@@ -40,9 +39,11 @@ from jaxcoll._src.checks import floating as check_floating
 from jaxcoll._src.checks import integer as check_int
 from jaxcoll._src.checks import number as check_number
 from jaxcoll._src.collectives import algorithm_of
-from jaxcoll._src.config import check_choice, config_field, remove_config_field, setting
+from jaxcoll._src.config import config_field, remove_config_field, setting
 from jaxcoll._src.invariant import check_vma_enabled, make_varying
 from jaxcoll._src.ops import check_op
+from jaxcoll._src.per_device_rules import register_rule as register_spmd_rule
+from jaxcoll._src.per_device_rules import unregister_rule as unregister_spmd_rule
 from jaxcoll._src.record import Line as ReportLine
 from jaxcoll._src.record import at as record_at
 from jaxcoll._src.record import in_use as record_in_use
@@ -51,10 +52,8 @@ from jaxcoll._src.record import paused as record_paused
 from jaxcoll._src.record import recording
 from jaxcoll._src.record import repeated as record_repeated
 from jaxcoll._src.record import where as record_where
-from jaxcoll._src.schedules.algorithms import NATIVE, SCHEDULE
+from jaxcoll._src.schedules.algorithms import NATIVE, SCHEDULE, check_algorithm
 from jaxcoll._src.units import format_seconds, format_size
-from jaxcoll._src.use.rule_table import register_rule as register_spmd_rule
-from jaxcoll._src.use.rule_table import unregister_rule as unregister_spmd_rule
 from jaxcoll._src.varying_axes import varying
 from jaxcoll._src.wire.formats import Element as WireElement
 from jaxcoll._src.wire.formats import (

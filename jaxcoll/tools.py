@@ -15,7 +15,6 @@ and times as people write them (:func:`parse_size`, :func:`format_size`,
 ``jaxcoll`` namespace. What integrations are built with is :mod:`jaxcoll.extend`.
 """
 
-from jaxcoll._src.auto.calibrate import Measurements, fit, measure
 from jaxcoll._src.auto.cost import native_equivalents
 from jaxcoll._src.auto.dispatch import (
     NATIVE_MARGIN,
@@ -27,10 +26,11 @@ from jaxcoll._src.auto.dispatch import (
     decide,
     profile_in_use,
 )
+from jaxcoll._src.calibrate import Measurements, fit, measure
 from jaxcoll._src.checks import axes_in_mesh, mesh_shape
 from jaxcoll._src.collectives import algorithm_of, flat_call
+from jaxcoll._src.register import unregister
 from jaxcoll._src.schedules.algorithms import NATIVE, SCHEDULE, label
-from jaxcoll._src.schedules.register import unregister
 from jaxcoll._src.spec import CollectiveSpec, primitives, spec
 from jaxcoll._src.timing import interleaved
 from jaxcoll._src.units import format_seconds, format_size, parse_size

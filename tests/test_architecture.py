@@ -160,6 +160,8 @@ TOPICS = ("use", "training", "moe")   # built on the public API, as a user's cod
 INTEGRATIONS = sorted(p for topic in TOPICS for p in (ROOT / "_src" / topic).rglob("*.py"))
 VERSION_MODULE = "jaxcoll._src.compat"   # reads jax internals, not jaxcoll's
 INTERPRETER = "jaxcoll._src.interpreter"   # the one jaxpr interpreter, jax's jaxprs only
+RULE_TABLE = "jaxcoll._src.per_device_rules"   # use's rules by primitive (public: extend)
+SHARED = (VERSION_MODULE, INTERPRETER, RULE_TABLE)
 
 
 def internal_names(path: pathlib.Path) -> list[str]:
@@ -173,13 +175,13 @@ def internal_names(path: pathlib.Path) -> list[str]:
     if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("jaxcoll"):
       continue
     if node.module.startswith((*(f"jaxcoll._src.{t}" for t in TOPICS), "jaxcoll.extend",
-                               INTERPRETER)):
+                               *SHARED)):
       continue
     module = importlib.import_module(node.module)
     for a in node.names:
       value = getattr(module, a.name)
       if inspect.ismodule(value):
-        if value.__name__ not in (VERSION_MODULE, INTERPRETER) and \
+        if value.__name__ not in SHARED and \
             not value.__name__.startswith(tuple(f"jaxcoll._src.{t}" for t in TOPICS)):
           out.append(value.__name__)
       elif id(value) not in public:
@@ -418,7 +420,7 @@ def test_one_bucketing_routine(path):
 
 @pytest.mark.parametrize("table,module", [
     ("ELEMENTS", "jaxcoll._src.wire.formats"), ("ROUTERS", "jaxcoll._src.moe.routers"),
-    ("FIELDS", "jaxcoll._src.config"), ("RULES", "jaxcoll._src.use.rule_table"),
+    ("FIELDS", "jaxcoll._src.config"), ("RULES", "jaxcoll._src.per_device_rules"),
     ("FORMS", "jaxcoll._src.interpreter")])
 def test_each_extension_table_is_declared_in_one_module(table, module):
   """A wire format, a router, a config setting, a per-device rule and a higher-order form

@@ -208,25 +208,25 @@ def test_config_override_beats_the_environment(monkeypatch):
 @pytest.mark.parametrize("setting", [True, False])
 def test_fused_kernel_true_or_false_decides_for_every_chunk(setting):
   with jaxcoll.config(fused_kernel=setting):
-    for nbytes in (4, config_lib.FUSED_MIN_BYTES - 1, config_lib.FUSED_MIN_BYTES, 1 << 30):
+    for nbytes in (4, fused_combine.FUSED_MIN_BYTES - 1, fused_combine.FUSED_MIN_BYTES, 1 << 30):
       for dtype in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.uint32):
-        assert config_lib.use_fused_kernel(nbytes, dtype) is setting
+        assert fused_combine.use_fused_kernel(nbytes, dtype) is setting
       for dtype in (jnp.bool_, jnp.complex64):   # the kernel combines neither
-        assert config_lib.use_fused_kernel(nbytes, dtype) is False
+        assert fused_combine.use_fused_kernel(nbytes, dtype) is False
 
 
 def test_fused_kernel_auto_needs_a_compiling_backend_and_a_large_chunk(monkeypatch):
   assert config_lib.current().fused_kernel == "auto"
   compiles = fused_combine.backend_compiles()
   assert compiles == (jax.default_backend() in ("gpu", "cuda", "rocm", "tpu"))
-  for nbytes in (config_lib.FUSED_MIN_BYTES - 1, config_lib.FUSED_MIN_BYTES):
-    want = compiles and nbytes >= config_lib.FUSED_MIN_BYTES
-    assert config_lib.use_fused_kernel(nbytes, jnp.float32) is want
+  for nbytes in (fused_combine.FUSED_MIN_BYTES - 1, fused_combine.FUSED_MIN_BYTES):
+    want = compiles and nbytes >= fused_combine.FUSED_MIN_BYTES
+    assert fused_combine.use_fused_kernel(nbytes, jnp.float32) is want
   # where the backend compiles the kernel: the threshold alone decides
   monkeypatch.setattr(fused_combine, "backend_compiles", lambda: True)
-  assert config_lib.use_fused_kernel(config_lib.FUSED_MIN_BYTES - 1, jnp.float32) is False
-  assert config_lib.use_fused_kernel(config_lib.FUSED_MIN_BYTES, jnp.float32) is True
-  assert config_lib.use_fused_kernel(1 << 20, jnp.complex64) is False
+  assert fused_combine.use_fused_kernel(fused_combine.FUSED_MIN_BYTES - 1, jnp.float32) is False
+  assert fused_combine.use_fused_kernel(fused_combine.FUSED_MIN_BYTES, jnp.float32) is True
+  assert fused_combine.use_fused_kernel(1 << 20, jnp.complex64) is False
 
 
 def test_configuration_is_read_when_a_function_is_traced():

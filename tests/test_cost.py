@@ -144,7 +144,7 @@ def test_codec_prices_the_uncompressed_bytes_the_busiest_device_sends(algorithm,
 def test_calibrate_fits_codec_where_compressed_schedules_took_longer():
   """fit() on measurements made by the model itself (the rows calibrate builds, uncompressed
   and int8) recovers every coefficient it was given, codec among them."""
-  from jaxcoll._src.auto.calibrate import Measurements, fit
+  from jaxcoll._src.calibrate import Measurements, fit
   truth = Profile(links={"process": Link(1e-4, 1e-9)}, overhead=3e-4, mu=2e-5, delta=1e-10,
                   gamma=4e-10, codec=2e-9)
   rows, times = [], []
@@ -456,7 +456,7 @@ def test_the_profile_fit_is_the_nonnegative_least_squares_optimum():
   """KKT on 2,000 random weighted problems with columns of very different scales (as the
   model's: seconds per call next to seconds per byte): at the optimum no coefficient is
   negative, the gradient vanishes on the positive ones and is >= 0 on the zero ones."""
-  from jaxcoll._src.auto.calibrate import _fit
+  from jaxcoll._src.calibrate import _fit
   rng = np.random.default_rng(0)
   for _ in range(2000):
     m, k = rng.integers(8, 30), rng.integers(2, 9)

@@ -6,12 +6,12 @@ what was expected: ``axis_name='y' is not an axis of the mesh; its axes: ('x',)`
 pass ``where``, the argument's name as the user wrote it.
 
 The kinds: axis names (:func:`axis_tuple`), meshes and axes in them (:func:`mesh_shape`,
-:func:`axes_in_mesh`), algorithms (:func:`algorithm`, the registry's ``check_algorithm``),
-accumulation dtypes (:func:`accumulate`), integers and numbers in a range (:func:`integer`,
-:func:`number`), flags (:func:`flag`), one of a few values (:func:`choice`) and dtypes
-(:func:`dtype`, :func:`floating`). Wire format names are checked by
-:func:`jaxcoll._src.wire.formats.wire_format`, op names by :func:`jaxcoll._src.ops.check_op`,
-primitives by :func:`jaxcoll._src.spec.spec`.
+:func:`axes_in_mesh`), accumulation dtypes (:func:`accumulate`), integers and numbers in a
+range (:func:`integer`, :func:`number`), flags (:func:`flag`), one of a few values
+(:func:`choice`) and dtypes (:func:`dtype`, :func:`floating`). Wire format names are checked
+by :func:`jaxcoll._src.wire.formats.wire_format`, op names by
+:func:`jaxcoll._src.ops.check_op`, primitives by :func:`jaxcoll._src.spec.spec`, algorithms
+by the registry's ``check_algorithm``.
 Nothing here imports jaxcoll's runtime (executor, collectives).
 """
 
@@ -23,8 +23,6 @@ from collections.abc import Mapping
 import jax
 import ml_dtypes
 import numpy as np
-
-from jaxcoll._src.schedules.algorithms.registry import check_algorithm as algorithm  # noqa: F401
 
 
 def as_axes(names) -> tuple:

@@ -25,13 +25,13 @@ from jax import lax
 
 from jaxcoll._src import axes as axes_lib
 from jaxcoll._src import checks, layout, ops, record
-from jaxcoll._src import config as config_lib
 from jaxcoll._src import spec as spec_lib
 from jaxcoll._src.auto import dispatch
 from jaxcoll._src.invariant import check_vma_enabled, make_varying, mark_invariant, replicated
-from jaxcoll._src.schedules.algorithms import NATIVE, schedule
+from jaxcoll._src.schedules.algorithms import NATIVE, check_algorithm, schedule
 from jaxcoll._src.schedules.executor import execute, ppermute
 from jaxcoll._src.wire import formats as wire_lib
+from jaxcoll._src.wire import fused_combine
 from jaxcoll._src.wire import rounding as rounding_lib
 
 _NATIVE_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin, "mean": lax.pmean}
@@ -150,7 +150,7 @@ def _run(primitive, algorithm, n, flat, axes, *, op="sum", root=0, accumulate=No
   multiple = 1 if wire is None else wire.row_multiple(layout.row_length(sched, work.shape[0]))
   rows = make_varying(layout.to_rows(jnp, work, sched, multiple=multiple), axes)
   rows = layout.place_own(jnp, rows, work, sched, axes_lib.index(axes))
-  fused = config_lib.use_fused_kernel(rows.shape[1] * rows.dtype.itemsize, rows.dtype)
+  fused = fused_combine.use_fused_kernel(rows.shape[1] * rows.dtype.itemsize, rows.dtype)
   rows = execute(sched, rows, axes, op=op, wire=wire, fused=fused,
                  copy_dtype=None if accumulate is None else flat.dtype, key=key)
   if accumulate is not None and key is not None:   # as the copies rounded: by chunk
@@ -197,7 +197,7 @@ def _collective(primitive: str, x, axis_name, algorithm, *, native, finish, op=N
   n = axes_lib.size(axes)
   move = move or (lambda v: v)
 
-  checks.algorithm(primitive, algorithm, num_axes=len(axes))
+  check_algorithm(primitive, algorithm, num_axes=len(axes))
   keys = None
   if facts.reduces:
     checks.choice(op, ops.OPS, "op")

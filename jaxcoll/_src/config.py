@@ -18,14 +18,7 @@ import functools
 import os
 from collections.abc import Callable, Mapping
 
-from jaxcoll._src.auto.profile import Profile
-from jaxcoll._src.schedules.algorithms import check_algorithm
-from jaxcoll._src.spec import PRIMITIVES
-from jaxcoll._src.wire import fused_combine
-
-ENV_ALGORITHM = "JAXCOLL_ALGORITHM"
-ENV_DEBUG = "JAXCOLL_DEBUG"
-FUSED_MIN_BYTES = 1 << 16   # "auto": smaller chunks stay in XLA's own fusion
+ENV_ALGORITHM = "JAXCOLL_ALGORITHM"   # the algorithm setting's variable (auto/dispatch.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +35,7 @@ class Field:
     parse: ``parse(text)``: the variable's value as the setting keeps it (checked).
     merge: ``merge(outer, inner)``: how an inner setting combines with an outer one (and
       with the variable's); None: the inner replaces it.
+    removable: whether :func:`remove_config_field` may remove it (jaxcoll's own: no).
   """
 
   name: str
@@ -50,13 +44,14 @@ class Field:
   env: str | None = None
   parse: Callable[[str], object] | None = None
   merge: Callable[[object, object], object] | None = None
+  removable: bool = True
 
 
 FIELDS: dict[str, Field] = {}
 
 
 def config_field(name: str, *, default=None, check=None, env: str | None = None, parse=None,
-                 merge=None) -> Field:
+                 merge=None, removable: bool = True) -> Field:
   """Declares a setting of ``jaxcoll.config`` (:class:`Field`).
 
   Raises:
@@ -75,14 +70,14 @@ def config_field(name: str, *, default=None, check=None, env: str | None = None,
     raise ValueError(f"config field {name!r} is already declared")
   if parse is not None and env is None:
     raise ValueError(f"config field {name!r}: parse= reads an environment variable; give env=")
-  field = Field(name, default, check or Field.check, env, parse, merge)
+  field = Field(name, default, check or Field.check, env, parse, merge, removable)
   FIELDS[name] = field
   return field
 
 
 def remove_config_field(name: str) -> None:
   """Removes a setting :func:`config_field` declared (not a built-in one)."""
-  if name in BUILT_IN:
+  if name in FIELDS and not FIELDS[name].removable:
     raise ValueError(f"config field {name!r} is built in")
   FIELDS.pop(name, None)
 
@@ -158,13 +153,6 @@ def _parsed(name: str, env: str, text: str):
   return field.check(field.parse(text) if field.parse else text, env)
 
 
-def check_choice(primitive, algorithm, where: str):
-  """``{primitive: algorithm}`` as config, ``use`` and ``JAXCOLL_ALGORITHM`` take it."""
-  if primitive not in PRIMITIVES:
-    raise ValueError(f"{where}: {primitive!r} is not a collective; expected one of {PRIMITIVES}")
-  check_algorithm(primitive, algorithm, argument=f"{where}[{primitive!r}]")
-
-
 class config:  # noqa: N801 (used like a function: jaxcoll.config(...))
   """Sets what ``algorithm="auto"`` uses: from now on, or as a ``with`` block only inside it.
 
@@ -229,79 +217,6 @@ class config:  # noqa: N801 (used like a function: jaxcoll.config(...))
     else:   # undoing a plain call
       _global = self._before
     return False
-
-
-# ---- the built-in settings ----
-
-def _check_algorithm(algorithm, name):
-  """``{primitive: algorithm}`` kept as sorted pairs; a variable's text parsed to pairs."""
-  where = "config(algorithm=...)" if name == "algorithm" else name
-  if isinstance(algorithm, tuple):
-    algorithm = dict(algorithm)
-  if not isinstance(algorithm, Mapping):
-    raise ValueError(f"config(algorithm={algorithm!r}): expected a mapping "
-                     "{primitive: algorithm}")
-  for p, a in algorithm.items():
-    check_choice(p, a, where)
-  return tuple(sorted(algorithm.items()))
-
-
-def _parse_algorithm(text: str) -> tuple[tuple[str, str], ...]:
-  """``JAXCOLL_ALGORITHM``: ``all_reduce=ring,all_gather=bruck``."""
-  out = {}
-  for item in filter(None, (s.strip() for s in text.split(","))):
-    primitive, sep, algorithm = item.partition("=")
-    if not sep:
-      raise ValueError(f"{ENV_ALGORITHM}={text!r}: expected primitive=algorithm pairs separated "
-                       "by commas, e.g. all_reduce=ring,all_gather=bruck")
-    out[primitive.strip()] = algorithm.strip()
-  return tuple(out.items())
-
-
-def _merge_algorithm(outer, inner):
-  return tuple(sorted({**dict(outer), **dict(inner)}.items()))
-
-
-def _one_of(*choices):
-  def check(value, name):
-    if value not in choices:
-      raise ValueError(f"config({name}={value!r}): expected "
-                       f"{', '.join(map(repr, choices[:-1]))} or {choices[-1]!r}")
-    return value
-  return check
-
-
-def _parse_debug(text: str) -> bool:
-  """``JAXCOLL_DEBUG``: INFO or TRACE log every choice; WARN (or 0, OFF, NONE) is quiet."""
-  value = text.upper()
-  if value not in ("INFO", "TRACE", "WARN", "WARNING", "0", "OFF", "NONE"):
-    raise ValueError(f"{ENV_DEBUG}={value!r}: expected INFO (log every choice) or WARN (quiet)")
-  return value in ("INFO", "TRACE")
-
-
-def _check_mesh(mesh, name):
-  if not (hasattr(mesh, "devices") and hasattr(mesh, "axis_names")):
-    raise ValueError(f"config(mesh={mesh!r}): expected a jax.sharding.Mesh")
-  return mesh
-
-
-config_field("algorithm", default=(), check=_check_algorithm, env=ENV_ALGORITHM,
-             parse=_parse_algorithm, merge=_merge_algorithm)
-config_field("profile", check=lambda p, name: Profile.resolve(p, "config(profile=...)"))
-config_field("fused_kernel", default="auto", check=_one_of(True, False, "auto"))
-config_field("debug", check=_one_of(True, False), env=ENV_DEBUG, parse=_parse_debug)
-config_field("mesh", check=_check_mesh)
-BUILT_IN = tuple(FIELDS)
-
-
-def use_fused_kernel(chunk_bytes: int, dtype) -> bool:
-  """Whether a reduce step on chunks of ``chunk_bytes`` runs the Pallas kernel (see config)."""
-  if not fused_combine.combines(dtype):
-    return False
-  setting = current().fused_kernel
-  if setting == "auto":
-    return fused_combine.backend_compiles() and chunk_bytes >= FUSED_MIN_BYTES
-  return bool(setting)
 
 
 def override(primitive: str):

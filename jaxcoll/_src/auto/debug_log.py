@@ -22,6 +22,7 @@ from jaxcoll._src import config as config_lib
 from jaxcoll._src.schedules.algorithms import NATIVE
 from jaxcoll._src.units import format_ms
 
+ENV_DEBUG = "JAXCOLL_DEBUG"
 logger = logging.getLogger("jaxcoll")
 _seen: set = set()
 
@@ -70,3 +71,21 @@ def decision(d) -> None:
       f"{format_ms(d.chosen.predicted_s)}"
       + ("" if d.label == NATIVE else f", native {format_ms(native)}")
       + f" ({d.reason}), profile {pricing.profile.name or 'custom'}")
+
+
+def _parse_debug(text: str) -> bool:
+  """``JAXCOLL_DEBUG``: INFO or TRACE log every choice; WARN (or 0, OFF, NONE) is quiet."""
+  value = text.upper()
+  if value not in ("INFO", "TRACE", "WARN", "WARNING", "0", "OFF", "NONE"):
+    raise ValueError(f"{ENV_DEBUG}={value!r}: expected INFO (log every choice) or WARN (quiet)")
+  return value in ("INFO", "TRACE")
+
+
+def _flag(value, name):
+  if value not in (True, False):
+    raise ValueError(f"config({name}={value!r}): expected True or False")
+  return value
+
+
+config_lib.config_field("debug", check=_flag, env=ENV_DEBUG, parse=_parse_debug,
+                        removable=False)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 
@@ -35,6 +35,7 @@ from jaxcoll._src.auto.profile import Profile
 from jaxcoll._src.auto.topology import Topology
 from jaxcoll._src.schedules import algorithms as algorithms_lib
 from jaxcoll._src.schedules.algorithms import NATIVE, SCHEDULE, call_options, check_algorithm
+from jaxcoll._src.spec import PRIMITIVES
 from jaxcoll._src.units import format_ms
 
 NATIVE_MARGIN = 1.25
@@ -366,3 +367,55 @@ def resolve(call: Call, algorithm) -> tuple[str, dict]:
   decision = decide(call, algorithm)
   debug_log.decision(decision)
   return decision.algorithm, dict(decision.options)
+
+
+# ---- the settings auto reads (jaxcoll.config, one declaration each) ----
+
+def check_choice(primitive, algorithm, where: str):
+  """``{primitive: algorithm}`` as config, ``use`` and ``JAXCOLL_ALGORITHM`` take it."""
+  if primitive not in PRIMITIVES:
+    raise ValueError(f"{where}: {primitive!r} is not a collective; expected one of {PRIMITIVES}")
+  check_algorithm(primitive, algorithm, argument=f"{where}[{primitive!r}]")
+
+
+def _check_algorithm(algorithm, name):
+  """``{primitive: algorithm}`` kept as sorted pairs; a variable's text parsed to pairs."""
+  where = "config(algorithm=...)" if name == "algorithm" else name
+  if isinstance(algorithm, tuple):
+    algorithm = dict(algorithm)
+  if not isinstance(algorithm, Mapping):
+    raise ValueError(f"config(algorithm={algorithm!r}): expected a mapping "
+                     "{primitive: algorithm}")
+  for p, a in algorithm.items():
+    check_choice(p, a, where)
+  return tuple(sorted(algorithm.items()))
+
+
+def _parse_algorithm(text: str) -> tuple[tuple[str, str], ...]:
+  """``JAXCOLL_ALGORITHM``: ``all_reduce=ring,all_gather=bruck``."""
+  out = {}
+  for item in filter(None, (s.strip() for s in text.split(","))):
+    primitive, sep, algorithm = item.partition("=")
+    if not sep:
+      raise ValueError(f"{config_lib.ENV_ALGORITHM}={text!r}: expected primitive=algorithm "
+                       "pairs separated by commas, e.g. all_reduce=ring,all_gather=bruck")
+    out[primitive.strip()] = algorithm.strip()
+  return tuple(out.items())
+
+
+def _merge_algorithm(outer, inner):
+  return tuple(sorted({**dict(outer), **dict(inner)}.items()))
+
+
+def _check_mesh(mesh, name):
+  if not (hasattr(mesh, "devices") and hasattr(mesh, "axis_names")):
+    raise ValueError(f"config(mesh={mesh!r}): expected a jax.sharding.Mesh")
+  return mesh
+
+
+config_lib.config_field("algorithm", default=(), check=_check_algorithm,
+                        env=config_lib.ENV_ALGORITHM, parse=_parse_algorithm,
+                        merge=_merge_algorithm, removable=False)
+config_lib.config_field("profile", check=lambda p, name: Profile.resolve(p, "config(profile=...)"),
+                        removable=False)
+config_lib.config_field("mesh", check=_check_mesh, removable=False)

@@ -1,24 +1,29 @@
-"""``jaxcoll.use``: an existing function's lax collectives, run as jaxcoll collectives.
+"""``jaxcoll.use``'s work: trace ``fun`` to a jaxpr, then run it as jaxcoll collectives.
 
-A function transformation in the style of jax's own: trace ``fun`` to a jaxpr, then
-evaluate the jaxpr equation by equation on the caller's values (or tracers). Each lax
-collective over shard_map axes is replaced by the jaxcoll collective with the same
-semantics (``COLLECTIVES``); each higher-order primitive is rebuilt with jax's public API
-around an evaluation of its sub-jaxpr (``HIGHER_ORDER``), so the rewrite reaches into
-shard_map bodies, nested jit, scan, while, cond, checkpoint (with the user's policy) and
-custom_jvp/custom_vjp functions (their rules too). Every other equation is bound as it
-was. Because the evaluation runs on the caller's tracers, ``jax.grad(use(f))``,
+A function transformation in the style of jax's own. :func:`rewrite` traces ``fun`` on the
+caller's values (or tracers) and asks :mod:`global_programs` what the program is:
+
+- A global program (it computes on sharded values outside any shard_map, as plain
+  ``jax.jit`` over sharded arrays does, where XLA's partitioner would insert the
+  collectives): it runs per device in one shard_map (:mod:`evaluator`), each layout change
+  a jaxcoll collective.
+- A program of shard_maps: the jaxpr is evaluated equation by equation
+  (:func:`eval_jaxpr`, on :func:`interpreter.evaluate`). Each lax collective over
+  shard_map axes becomes the jaxcoll collective with the same semantics
+  (:data:`collective_rules.COLLECTIVES`); each higher-order primitive is rebuilt with
+  jax's public API around an evaluation of its body, by its form (``BY_FORM``: scan, while,
+  cond, calls) or, where it carries more than its body, by name (``REBUILT``: shard_map,
+  jit, checkpoint with the user's policy, custom_jvp/custom_vjp with their rules). Every
+  other equation is bound as it was.
+
+Because the evaluation runs on the caller's tracers, ``jax.grad(use(f))``,
 ``use(jax.grad(f))``, ``jax.jit(use(f))`` and ``jax.vmap`` compose as usual; the gradient
 sums JAX makes for replicated values when it transposes (``pvary``'s, and a
-``check_vma=False`` shard_map's own) run as jaxcoll all_reduces (:mod:`varying`).
+``check_vma=False`` shard_map's own) run as jaxcoll all_reduces (:mod:`gradient_sums`).
 
-What a jaxpr cannot show: collectives that XLA's SPMD partitioner inserts by itself for a
-``jax.jit`` over sharded arrays (sharding propagation, no shard_map) exist only after
-compilation, so ``use`` cannot see them. Write the step under ``jax.shard_map`` (explicit
-collectives) to put them in the jaxpr.
-
-Left untouched: collectives with ``axis_index_groups``, collectives over axes that are not
-manual shard_map axes (``vmap``/``pmap`` axis names), and ppermutes that are not a shift.
+Left to XLA (reported by ``jaxcoll.explain_step``): collectives with ``axis_index_groups``,
+collectives over axes that are not manual shard_map axes (``vmap``/``pmap`` axis names),
+ppermutes that are not a shift, and mesh axes ``use(axes=...)`` leaves out.
 """
 
 from __future__ import annotations

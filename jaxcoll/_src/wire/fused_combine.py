@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxcoll._src import config as config_lib
 from jaxcoll._src import ops
 from jaxcoll._src.wire.formats import dequantize, pow2, scales
 
@@ -326,3 +327,27 @@ def _fused_jvp(spec, primals, tangents):
   differentiable = lambda a, r: _math(spec, a, r, exps, bits, straight_through=True)  # noqa: E731
   _, tangent = jax.jvp(differentiable, (acc, recv), tangents[:2])
   return _fused(spec, *primals), tangent
+
+
+# ---- the setting: jaxcoll.config(fused_kernel=...) ----
+
+FUSED_MIN_BYTES = 1 << 16   # "auto": smaller chunks stay in XLA's own fusion
+
+
+def _fused_setting(value, name):
+  if value not in (True, False, "auto"):
+    raise ValueError(f"config({name}={value!r}): expected True, False or 'auto'")
+  return value
+
+
+config_lib.config_field("fused_kernel", default="auto", check=_fused_setting, removable=False)
+
+
+def use_fused_kernel(chunk_bytes: int, dtype) -> bool:
+  """Whether a reduce step on chunks of ``chunk_bytes`` runs the Pallas kernel (see config)."""
+  if not combines(dtype):
+    return False
+  setting = config_lib.current().fused_kernel
+  if setting == "auto":
+    return backend_compiles() and chunk_bytes >= FUSED_MIN_BYTES
+  return bool(setting)

@@ -36,7 +36,7 @@ its shape parameters made local, and returns the outputs' pieces with their plac
 
 from __future__ import annotations
 
-from jaxcoll._src.use.rule_table import RULES, register_rule, unregister_rule
+from jaxcoll._src.per_device_rules import RULES, register_rule, unregister_rule
 from jaxcoll._src.use.rules.annotations import _identity, _to_named, laid_out_as_asked
 from jaxcoll._src.use.rules.contractions import _arg_reduce, _dot_general, _reduce_sum, _reduce_with
 from jaxcoll._src.use.rules.control_flow import BY_FORM, REBUILT
