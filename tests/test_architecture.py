@@ -161,7 +161,7 @@ INTEGRATIONS = sorted(p for topic in TOPICS for p in (ROOT / "_src" / topic).rgl
 VERSION_MODULE = "jaxcoll._src.compat"   # reads jax internals, not jaxcoll's
 INTERPRETER = "jaxcoll._src.interpreter"   # the one jaxpr interpreter, jax's jaxprs only
 RULE_TABLE = "jaxcoll._src.per_device_rules"   # use's rules by primitive (public: extend)
-SHARED = (VERSION_MODULE, INTERPRETER, RULE_TABLE)
+SHARED = (VERSION_MODULE, INTERPRETER, RULE_TABLE, "jaxcoll._src.declarations")
 
 
 def internal_names(path: pathlib.Path) -> list[str]:
@@ -422,10 +422,13 @@ def test_one_bucketing_routine(path):
     ("ELEMENTS", "jaxcoll._src.wire.formats"), ("ROUTERS", "jaxcoll._src.moe.routers"),
     ("FIELDS", "jaxcoll._src.config"), ("RULES", "jaxcoll._src.per_device_rules"),
     ("FORMS", "jaxcoll._src.interpreter")])
-def test_each_extension_table_is_declared_in_one_module(table, module):
-  """A wire format, a router, a config setting, a per-device rule and a higher-order form
-  are each one entry of one table, filled in the module that declares it; every other
-  module reads it (tests/test_extension_points.py adds one of each from outside)."""
+def test_each_extension_table_is_one_declarations_table(table, module):
+  """A wire format, a router, a config setting, a per-device rule and a higher-order form are
+  each one entry of one ``Declarations`` table, declared in one module and changed only by
+  ``add`` (built in, or from outside) and ``remove``: no module assigns into it
+  (tests/test_extension_points.py adds one of each from outside)."""
+  from jaxcoll._src.declarations import Declarations
+  assert isinstance(getattr(importlib.import_module(module), table), Declarations)
   writers = []
   for name, path in MODULES.items():
     for node in ast.walk(ast.parse(path.read_text())):
@@ -434,5 +437,5 @@ def test_each_extension_table_is_declared_in_one_module(table, module):
       for t in targets:
         base = t.value if isinstance(t, ast.Subscript) else t
         if isinstance(base, ast.Name) and base.id == table:
-          writers.append(name)
-  assert set(writers) == {module}, writers
+          writers.append((name, type(t).__name__))
+  assert writers == [(module, "Name")], writers

@@ -18,6 +18,8 @@ import functools
 import os
 from collections.abc import Callable, Mapping
 
+from jaxcoll._src.declarations import Declarations
+
 ENV_ALGORITHM = "JAXCOLL_ALGORITHM"   # the algorithm setting's variable (auto/dispatch.py)
 
 
@@ -35,7 +37,6 @@ class Field:
     parse: ``parse(text)``: the variable's value as the setting keeps it (checked).
     merge: ``merge(outer, inner)``: how an inner setting combines with an outer one (and
       with the variable's); None: the inner replaces it.
-    removable: whether :func:`remove_config_field` may remove it (jaxcoll's own: no).
   """
 
   name: str
@@ -44,14 +45,13 @@ class Field:
   env: str | None = None
   parse: Callable[[str], object] | None = None
   merge: Callable[[object, object], object] | None = None
-  removable: bool = True
 
 
-FIELDS: dict[str, Field] = {}
+FIELDS: Declarations = Declarations("config field")
 
 
 def config_field(name: str, *, default=None, check=None, env: str | None = None, parse=None,
-                 merge=None, removable: bool = True) -> Field:
+                 merge=None, built_in: bool = False) -> Field:
   """Declares a setting of ``jaxcoll.config`` (:class:`Field`).
 
   Raises:
@@ -66,20 +66,15 @@ def config_field(name: str, *, default=None, check=None, env: str | None = None,
     8
     >>> remove_config_field("chunks")
   """
-  if name in FIELDS:
-    raise ValueError(f"config field {name!r} is already declared")
   if parse is not None and env is None:
     raise ValueError(f"config field {name!r}: parse= reads an environment variable; give env=")
-  field = Field(name, default, check or Field.check, env, parse, merge, removable)
-  FIELDS[name] = field
-  return field
+  return FIELDS.add(name, Field(name, default, check or Field.check, env, parse, merge),
+                    built_in=built_in)
 
 
 def remove_config_field(name: str) -> None:
   """Removes a setting :func:`config_field` declared (not a built-in one)."""
-  if name in FIELDS and not FIELDS[name].removable:
-    raise ValueError(f"config field {name!r} is built in")
-  FIELDS.pop(name, None)
+  FIELDS.remove(name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 
 from jaxcoll._src import compat
+from jaxcoll._src.declarations import Declarations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,19 +131,23 @@ def _cond(params) -> Cond:
   return Cond(tuple(Body.of(b) for b in params["branches"]))
 
 
-FORMS: dict[str, Callable[[dict], Form]] = {
+FORMS: Declarations = Declarations("higher-order primitive")
+
+
+def register_form(primitive: str, form: Callable[[dict], Form], *,
+                  built_in: bool = False) -> None:
+  """Declares a higher-order primitive: ``form(params)`` reads its body (or bodies) as one of
+  the forms; every jaxpr reader then handles it."""
+  FORMS.add(primitive, form, built_in=built_in)
+
+
+for _name, _form in {
     "pjit": _call("jaxpr"), "jit": _call("jaxpr"), "closed_call": _call("call_jaxpr"),
     "core_call": _call("call_jaxpr"), "checkpoint": _call("jaxpr"), "remat2": _call("jaxpr"),
     "custom_jvp_call": _call("call_jaxpr"), "custom_vjp_call": _call("call_jaxpr"),
     "custom_vjp_call_jaxpr": _call("fun_jaxpr"), "shard_map": _call("jaxpr"),
-    "scan": _scan, "while": _while, "cond": _cond,
-}
-
-
-def register_form(primitive: str, form: Callable[[dict], Form]) -> None:
-  """Declares a higher-order primitive: ``form(params)`` reads its body (or bodies) as one of
-  the forms; every jaxpr reader then handles it."""
-  FORMS[primitive] = form
+    "scan": _scan, "while": _while, "cond": _cond}.items():
+  register_form(_name, _form, built_in=True)
 
 
 def form_of(eqn) -> Form | None:

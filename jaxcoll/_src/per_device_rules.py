@@ -1,14 +1,15 @@
 """The table of ``use``'s per-device rules for the equations of a global program, by
 primitive (:mod:`jaxcoll._src.use.rules` fills it with jaxcoll's own), and the one way to add
 one from outside (:func:`register_rule`). A module of its own, importing nothing of
-jaxcoll's, so that ``jaxcoll.extend`` can offer it."""
+jaxcoll's but the table, so that ``jaxcoll.extend`` can offer it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-RULES: dict[str, Callable] = {}
-_ADDED: set[str] = set()
+from jaxcoll._src.declarations import Declarations
+
+RULES: Declarations = Declarations("per-device rule of primitive")
 
 
 def register_rule(primitive: str, rule: Callable | str) -> None:
@@ -27,21 +28,12 @@ def register_rule(primitive: str, rule: Callable | str) -> None:
     >>> register_spmd_rule("my_scale", "sin")
     >>> unregister_spmd_rule("my_scale")
   """
-  if primitive in RULES:
-    raise ValueError(f"primitive {primitive!r} has a per-device rule already")
   if isinstance(rule, str) and rule not in RULES:
     raise ValueError(f"rule={rule!r}: no built-in primitive of that name has a rule; expected "
                      "e.g. 'sin' or 'optimization_barrier', or a function")
-  RULES[primitive] = RULES[rule] if isinstance(rule, str) else rule
-  _ADDED.add(primitive)
+  RULES.add(primitive, RULES[rule] if isinstance(rule, str) else rule)
 
 
 def unregister_rule(primitive: str) -> None:
   """Removes a rule :func:`register_rule` declared (not a built-in one)."""
-  if primitive in RULES and primitive not in _ADDED:
-    raise ValueError(f"primitive {primitive!r}'s rule is built in")
-  RULES.pop(primitive, None)
-  _ADDED.discard(primitive)
-
-
-_ADDED: set[str] = set()
+  RULES.remove(primitive)

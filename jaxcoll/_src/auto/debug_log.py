@@ -88,4 +88,4 @@ def _flag(value, name):
 
 
 config_lib.config_field("debug", check=_flag, env=ENV_DEBUG, parse=_parse_debug,
-                        removable=False)
+                        built_in=True)

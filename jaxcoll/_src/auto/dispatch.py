@@ -415,7 +415,7 @@ def _check_mesh(mesh, name):
 
 config_lib.config_field("algorithm", default=(), check=_check_algorithm,
                         env=config_lib.ENV_ALGORITHM, parse=_parse_algorithm,
-                        merge=_merge_algorithm, removable=False)
+                        merge=_merge_algorithm, built_in=True)
 config_lib.config_field("profile", check=lambda p, name: Profile.resolve(p, "config(profile=...)"),
-                        removable=False)
-config_lib.config_field("mesh", check=_check_mesh, removable=False)
+                        built_in=True)
+config_lib.config_field("mesh", check=_check_mesh, built_in=True)

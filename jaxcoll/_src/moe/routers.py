@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcoll._src.declarations import Declarations
 from jaxcoll._src.moe.dispatch_combine import (
   _logits,
   load_balancing_loss,
@@ -195,11 +196,11 @@ class Router:
   expert_choice: bool = False
 
 
-ROUTERS: dict[str, Router] = {}
+ROUTERS: Declarations = Declarations("router")
 LAYER_OPTIONS = {"key": None, "groups": 1, "top_groups": 1}   # the layer's routing options
 
 
-def register_router(router: Router) -> Router:
+def register_router(router: Router, *, built_in: bool = False) -> Router:
   """Declares a router for :func:`jaxcoll.moe.layer` (``layer(router=router.name)``).
 
   Raises:
@@ -214,21 +215,16 @@ def register_router(router: Router) -> Router:
     >>> _ = register_router(Router("plain", top1))
     >>> unregister_router("plain")
   """
-  if router.name in ROUTERS:
-    raise ValueError(f"router {router.name!r} is already declared")
   unknown = sorted(set(router.options) - set(LAYER_OPTIONS))
   if unknown:
     raise ValueError(f"router {router.name!r} takes options {unknown} the layer does not have; "
                      f"expected some of {sorted(LAYER_OPTIONS)}")
-  ROUTERS[router.name] = router
-  return router
+  return ROUTERS.add(router.name, router, built_in=built_in)
 
 
 def unregister_router(name: str) -> None:
   """Removes a router :func:`register_router` declared (not a built-in one)."""
-  if name in BUILT_IN:
-    raise ValueError(f"router {name!r} is built in")
-  ROUTERS.pop(name, None)
+  ROUTERS.remove(name)
 
 
 def _softmax(logits, k, params, *, key=None):
@@ -251,5 +247,4 @@ def _experts(logits, capacity, params):
 for _router in (Router("softmax", _softmax, {"key": None}),
                 Router("sigmoid", _sigmoid, {"groups": 1, "top_groups": 1}, ("bias",)),
                 Router("experts", _experts, expert_choice=True)):
-  register_router(_router)
-BUILT_IN = tuple(ROUTERS)
+  register_router(_router, built_in=True)

@@ -50,6 +50,7 @@ import numpy as np
 from jax import lax
 
 from jaxcoll._src import checks
+from jaxcoll._src.declarations import Declarations
 
 DEFAULT_BLOCK_SIZE = 256
 MIN_EXPONENT = -126  # scales stay normal float32 numbers
@@ -85,10 +86,10 @@ class Element:
     return self.specials or (math.inf, -math.inf, math.nan)
 
 
-ELEMENTS: dict[str, Element] = {}
+ELEMENTS: Declarations = Declarations("wire format")
 
 
-def register_wire_format(element: Element) -> Element:
+def register_wire_format(element: Element, *, built_in: bool = False) -> Element:
   """Declares a wire format: from then on every collective, integration and tool takes
   ``wire_dtype=element.name`` (:func:`wire_dtypes` lists it).
 
@@ -104,8 +105,6 @@ def register_wire_format(element: Element) -> Element:
     2.00390625
     >>> unregister_wire_format("float16")
   """
-  if element.name in ELEMENTS:
-    raise ValueError(f"wire format {element.name!r} is already declared")
   dtype = np.dtype(getattr(ml_dtypes, element.name, element.name))
   if element.finite_max is None and (element.integer or not jnp.issubdtype(dtype, jnp.floating)):
     raise ValueError(f"wire format {element.name!r}: an integer dtype needs a finite_max "
@@ -115,15 +114,12 @@ def register_wire_format(element: Element) -> Element:
     if not 0 < element.finite_max <= top:
       raise ValueError(f"wire format {element.name!r}: finite_max={element.finite_max} "
                        f"must be in (0, {top}]")
-  ELEMENTS[element.name] = element
-  return element
+  return ELEMENTS.add(element.name, element, built_in=built_in)
 
 
 def unregister_wire_format(name: str) -> None:
   """Removes a format :func:`register_wire_format` declared (not a built-in one)."""
-  if name in WIRE_DTYPES:
-    raise ValueError(f"wire format {name!r} is built in")
-  ELEMENTS.pop(name, None)
+  ELEMENTS.remove(name)
 
 
 def wire_dtypes() -> tuple[str, ...]:
@@ -137,7 +133,7 @@ for _element in (
     Element("float8_e4m3fn", 2.0 ** -4 + 2.0 ** -17, 416.0, (448.0, -448.0, math.nan)),
     Element("float8_e5m2", 2.0 ** -3 + 2.0 ** -31, 57344.0),
     Element("int8", 1 / 126, 126.0, (127.0, -127.0, -128.0), integer=True)):
-  register_wire_format(_element)
+  register_wire_format(_element, built_in=True)
 WIRE_DTYPES = wire_dtypes()   # the built-in formats
 
 

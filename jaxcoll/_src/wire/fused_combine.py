@@ -340,7 +340,7 @@ def _fused_setting(value, name):
   return value
 
 
-config_lib.config_field("fused_kernel", default="auto", check=_fused_setting, removable=False)
+config_lib.config_field("fused_kernel", default="auto", check=_fused_setting, built_in=True)
 
 
 def use_fused_kernel(chunk_bytes: int, dtype) -> bool:

@@ -68,8 +68,8 @@ from jaxcoll._src.use.rules.shapes import (
   _whole_along,
 )
 
-RULES.update({name: _elementwise for name in ELEMENTWISE})
-RULES.update({
+_BUILT_IN = {name: _elementwise for name in ELEMENTWISE}
+_BUILT_IN.update({
     "dot_general": _dot_general,
     "reduce_sum": _reduce_sum,
     "reduce_max": _reduce_with("max"), "reduce_min": _reduce_with("min"),
@@ -97,6 +97,8 @@ RULES.update({
     "threefry2x32": _replicated_rule, "rng_bit_generator": _replicated_rule,
     "rng_uniform": _replicated_rule,
 })
+for _name, _rule in _BUILT_IN.items():
+  RULES.add(_name, _rule, built_in=True)
 
 
 __all__ = ["BY_FORM", "ELEMENTWISE", "REBUILT", "RULES", "Refused", "fallback", "keeps_partial",
