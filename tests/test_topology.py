@@ -247,7 +247,7 @@ def test_auto_leaves_native_only_for_a_schedule_that_wins_under_every_placement(
   assert len(native.placed_s) == 2 and all(len(c.placed_s) == 2 for c in scheduled)
   rd = next(c for c in scheduled if c.label == "recursive_doubling")
   assert rd.placed_s[0] < native.placed_s[0] / 1.25 and rd.placed_s[1] > native.placed_s[1]
-  assert not rd.beats(native, dispatch.NATIVE_MARGIN)
+  assert not dispatch.replaces(rd.placed_s, native.placed_s)
 
 
 def test_boot_ids_are_read_from_the_topology_protobuf():
