@@ -12,7 +12,8 @@ from jax.sharding import Mesh
 
 import jaxcoll
 from jaxcoll import Link, NativeTimes, Profile
-from jaxcoll._src import calibrate, cost, dispatch, topology
+from jaxcoll._src import calibrate
+from jaxcoll._src.auto import cost, dispatch, topology
 
 pytestmark = pytest.mark.quick
 
