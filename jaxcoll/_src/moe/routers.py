@@ -203,6 +203,13 @@ LAYER_OPTIONS = {"key": None, "groups": 1, "top_groups": 1}   # the layer's rout
 def register_router(router: Router, *, built_in: bool = False) -> Router:
   """Declares a router for :func:`jaxcoll.moe.layer` (``layer(router=router.name)``).
 
+  Args:
+    router: the declaration (:class:`Router`).
+    built_in: jaxcoll's own (never removed).
+
+  Returns:
+    ``router``.
+
   Raises:
     ValueError: a name already declared; an option the layer does not have.
 
@@ -223,7 +230,24 @@ def register_router(router: Router, *, built_in: bool = False) -> Router:
 
 
 def unregister_router(name: str) -> None:
-  """Removes a router :func:`register_router` declared (not a built-in one)."""
+  """Removes a router :func:`register_router` declared.
+
+  Args:
+    name: the router's name (absent: nothing to do).
+
+  Returns:
+    None.
+
+  Raises:
+    ValueError: a built-in router.
+
+  Example:
+    >>> import jaxcoll
+    >>> jaxcoll.moe.unregister_router("softmax")
+    Traceback (most recent call last):
+    ...
+    ValueError: router 'softmax' is built in
+  """
   ROUTERS.remove(name)
 
 

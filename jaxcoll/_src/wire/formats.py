@@ -93,6 +93,13 @@ def register_wire_format(element: Element, *, built_in: bool = False) -> Element
   """Declares a wire format: from then on every collective, integration and tool takes
   ``wire_dtype=element.name`` (:func:`wire_dtypes` lists it).
 
+  Args:
+    element: the declaration (:class:`Element`, ``jaxcoll.extend.WireElement``).
+    built_in: jaxcoll's own (never removed).
+
+  Returns:
+    ``element``.
+
   Raises:
     ValueError: a name numpy and ml_dtypes do not know, or one already declared; a
       ``finite_max`` the dtype cannot hold; an unscaled format of an integer dtype.
@@ -124,7 +131,19 @@ def unregister_wire_format(name: str) -> None:
 
 def wire_dtypes() -> tuple[str, ...]:
   """Every declared wire format's name: the built-in :data:`WIRE_DTYPES` and those
-  registered since."""
+  registered since (:func:`jaxcoll.extend.register_wire_format`).
+
+  Returns:
+    The names ``wire_dtype=`` takes, built-in first.
+
+  Raises:
+    Nothing.
+
+  Example:
+    >>> import jaxcoll
+    >>> jaxcoll.wire_dtypes()[:4]
+    ('bfloat16', 'float8_e4m3fn', 'float8_e5m2', 'int8')
+  """
   return tuple(ELEMENTS)
 
 
