@@ -353,7 +353,8 @@ def test_peak_memory_is_a_shard_of_the_state_plus_two_layers(algorithm):
   # jaxlib 0.10.2's XLA merges each backward re-gather with its forward gather: every
   # layer's gathered parameters (and then some) stay live
   gathered = 2 * layer_bytes if compat.REMAT_COLLECTIVES_STAY_SEPARATE else 2 * p_bytes
-  assert fsdp_peak <= 4 * p_bytes / 8 + gathered + saved_inputs + batch_bytes
+  tables = 1024   # a schedule's per-rank index tables and loop counters (bytes, not state)
+  assert fsdp_peak <= 4 * p_bytes / 8 + gathered + saved_inputs + batch_bytes + tables
 
   def dp(p, s, b):
     grads = jaxcoll.sync_gradients(jax.grad(mse)(p, b), "x")
