@@ -2,6 +2,7 @@
 
   python benchmarks/gpu_check.py                  # on a machine with one GPU: ~8 minutes
   python benchmarks/gpu_check.py --dry-run        # every stage on the CPU, small sizes (CI)
+  python benchmarks/gpu_check.py --lower-only     # any machine: what a GPU would compile
 
 Writes ``<out>.json`` and ``<out>.md`` (default ``benchmarks/out/gpu_check``). Each stage runs
 in a process of its own with a timeout of its own, so a stage that fails, hangs or crashes is
@@ -26,8 +27,17 @@ reported and the next still runs:
    on one it records that, and times a 1-device jaxcoll all_reduce against ``lax.psum``
    (the per-call overhead of a jaxcoll program when nothing moves).
 
+7. ``lowering``: jaxcoll's programs lowered for an H200 (``--platform`` and ``--device-kind``
+   name another) without one: every primitive x algorithm over 8 devices, hierarchical over
+   2 x 4, the ring all_reduce on every wire format and rounding stochastically, the fused
+   combine with each Pallas GPU back end, MoE's sorted layout with ``ragged_dot``, an FSDP
+   layer's gradient, ``jaxcoll.use`` on the distributed-arrays notebook's MLP, and auto on
+   the GPU preset. Per case: the collective-permutes, the lax collectives and the Pallas
+   custom calls of the module.
+
 ``--dry-run`` runs the same stages in interpret mode on the CPU at small sizes, so the
-script cannot rot (``tests/test_gpu_check.py``).
+script cannot rot (``tests/test_gpu_check.py``). ``--lower-only`` runs ``env`` and
+``lowering`` alone, on any machine.
 """
 
 from __future__ import annotations
@@ -44,9 +54,10 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-STAGES = ("env", "kernel", "bandwidth", "wire", "programs", "calibrate")
+STAGES = ("env", "kernel", "bandwidth", "wire", "programs", "calibrate", "lowering")
 TIMEOUT_S = {"env": 120, "kernel": 150, "bandwidth": 120, "wire": 60, "programs": 120,
-             "calibrate": 60}
+             "calibrate": 60, "lowering": 240}
+LAX_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 OPS = ("sum", "prod", "min", "max", "mean")
 
 
@@ -74,16 +85,12 @@ def stage_env(dry: bool) -> dict:
 
 
 def _compilers(dry: bool) -> list[str | None]:
-  """The GPU back ends to try; on the CPU (dry run) the interpreter only."""
+  """The GPU back ends to try (``jaxcoll.kernels.gpu_compilers()``: those this jax lowers);
+  on the CPU (dry run) the interpreter only."""
   if dry:
     return [None]
-  out = ["triton"]
-  try:
-    import jax.experimental.pallas.mosaic_gpu  # noqa: F401
-    out.append("mosaic_gpu")
-  except ImportError:
-    pass
-  return out
+  from jaxcoll import kernels
+  return list(kernels.gpu_compilers())
 
 
 def stage_kernel(dry: bool) -> dict:
@@ -272,9 +279,131 @@ def stage_calibrate(dry: bool) -> dict:
   return out
 
 
+# ------------------------------------------------------------------ lowering without the device
+
+def abstract_mesh(shape, names, platform: str = "cuda", device_kind: str = "NVIDIA H200"):
+  """An abstract mesh of devices of ``device_kind`` on ``platform``, none of which need
+  exist: programs traced under it are lowered as that platform compiles them."""
+  import jax
+  from jax.sharding import AbstractDevice, AbstractMesh
+  return AbstractMesh(tuple(shape), tuple(names),
+                      axis_types=(jax.sharding.AxisType.Auto,) * len(names),
+                      abstract_device=AbstractDevice(device_kind=device_kind, num_cores=None,
+                                                     platform=platform))
+
+
+def lower_text(fn, specs, mesh) -> str:
+  """``fn`` on ``specs`` (``ShapeDtypeStruct`` s) lowered for ``mesh``'s platform: StableHLO."""
+  import jax
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn).trace(*specs).lower(
+        lowering_platforms=(mesh.abstract_device.platform,)).as_text()
+
+
+def count_ops(text: str) -> dict:
+  """The module's collective-permutes, lax collectives and custom calls (by target), and
+  whether it holds a construct only a CPU runs (a host callback)."""
+  import re
+  out = {op: len(re.findall(rf"stablehlo\.{op}\b", text))
+         for op in ("collective_permute", *LAX_OPS)}
+  for target in re.findall(r'stablehlo\.custom_call @([\w$.]+)|call_target_name = "([\w$.]+)"',
+                           text):
+    name = target[0] or target[1]
+    out[name] = out.get(name, 0) + 1
+  out["pallas"] = sum(n for k, n in out.items() if "triton" in k or "mosaic" in k)
+  out["cpu_only"] = bool(re.search(r"cpu_callback|python_cpu", text))
+  return out
+
+
+def lowering_cases(platform: str, device_kind: str):
+  """``(name, fn, specs, mesh)`` of what :func:`stage_lowering` lowers."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+
+  import jaxcoll
+  from jaxcoll import fsdp, kernels, moe
+  mesh8 = abstract_mesh((8,), ("x",), platform, device_kind)
+  mesh24 = abstract_mesh((2, 4), ("node", "local"), platform, device_kind)
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+
+  def collective(primitive, algorithm, axes, **kw):
+    fn = getattr(jaxcoll, primitive)
+    if primitive == "all_to_all":
+      return lambda v: fn(v, axes, 0, 0, tiled=True, algorithm=algorithm, **kw)
+    if primitive in ("reduce_scatter", "all_gather"):
+      return lambda v: fn(v, axes, tiled=True, algorithm=algorithm, **kw)
+    return lambda v: fn(v, axes, algorithm=algorithm, **kw)
+
+  def on(mesh, body, *specs, in_specs=None):
+    names = tuple(mesh.axis_names)
+    spec = P(names if len(names) > 1 else names[0])
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs or (spec,) * len(specs),
+                         out_specs=spec, check_vma=False), specs, mesh
+
+  x8 = jax.ShapeDtypeStruct((8 * 8 << 16,), jnp.float32)   # 2 MiB a device: the kernel runs
+  for primitive in jaxcoll.PRIMITIVES:
+    for algorithm in jaxcoll.algorithms(primitive, num_axes=1):
+      yield (f"{primitive} {algorithm}", *on(mesh8, collective(primitive, algorithm, "x"), x8))
+  for primitive in jaxcoll.PRIMITIVES:
+    if "hierarchical" in jaxcoll.algorithms(primitive, num_axes=2):
+      yield (f"{primitive} hierarchical 2x4",
+             *on(mesh24, collective(primitive, "hierarchical", ("node", "local")), x8))
+  for wire in jaxcoll.wire_dtypes():
+    yield (f"all_reduce ring wire {wire}",
+           *on(mesh8, collective("all_reduce", "ring", "x", wire_dtype=wire), x8))
+  bf16 = jax.ShapeDtypeStruct(x8.shape, jnp.bfloat16)
+  yield ("all_reduce ring stochastic", *on(
+      mesh8, lambda v, k: jaxcoll.all_reduce(v, "x", algorithm="ring", rounding="stochastic",
+                                             key=k), bf16, key, in_specs=(P("x"), P())))
+  acc = jax.ShapeDtypeStruct((8, 4096), jnp.float32)
+  mesh1 = abstract_mesh((1,), ("x",), platform, device_kind)
+  for compiler in _compilers(False) if platform == "cuda" else [None]:
+    yield (f"fused_combine {compiler or 'default'}",
+           lambda a, c=compiler: kernels.fused_combine(a, a, compiler=c), (acc,), mesh1)
+  yield ("fused_combine stochastic", lambda a, k: kernels.fused_combine(
+      a, a, out_dtype=jnp.bfloat16, rounding="stochastic", key=k), (acc, key), mesh1)
+  t, d, e = 64, 32, 16
+
+  def sorted_moe(x, logits, w):
+    ids, gates = moe.route(logits, 2)
+    h, state = moe.dispatch(x, ids, num_experts=e, capacity=None, axis_name="x",
+                            layout="sorted")
+    return moe.combine(moe.grouped_matmul(h, w, state.group_sizes), state, gates)
+  yield ("moe sorted + grouped_matmul", *on(
+      mesh8, sorted_moe, jax.ShapeDtypeStruct((8 * t, d), jnp.float32),
+      jax.ShapeDtypeStruct((8 * t, e), jnp.float32), jax.ShapeDtypeStruct((e, d, d), jnp.float32)))
+
+  def fsdp_layer(w, x):
+    def loss(w):
+      full = fsdp.gather(fsdp.Sharded(w, (8 * 64, 64), 0), "x", algorithm="ring")
+      return jnp.sum((x @ full.T) ** 2)
+    return jax.grad(loss)(w)
+  yield ("fsdp layer gradient", *on(mesh8, fsdp_layer,
+                                    jax.ShapeDtypeStruct((8 * 64, 64), jnp.float32),
+                                    jax.ShapeDtypeStruct((8 * 16, 64), jnp.float32)))
+  yield ("auto all_reduce (GPU preset)", *on(mesh8, collective("all_reduce", "auto", "x"),
+                                             jax.ShapeDtypeStruct((8 << 20,), jnp.float32)))
+
+
+def stage_lowering(dry: bool, platform: str = "cuda", device_kind: str = "NVIDIA H200") -> dict:
+  import jax
+  rows = []
+  for name, fn, specs, mesh in lowering_cases(platform, device_kind):
+    start = time.perf_counter()
+    try:
+      found = count_ops(lower_text(fn, specs, mesh))
+      rows.append({"case": name, "ok": True, "seconds": time.perf_counter() - start, **found})
+    except Exception as e:   # noqa: BLE001 (a case this jax cannot lower is a finding)
+      rows.append({"case": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+  return {"platform": platform, "device_kind": device_kind, "jax": jax.__version__,
+          "rows": rows}
+
+
 def run_stage(name: str, dry: bool, hbm: float) -> dict:
   fn = {"env": stage_env, "kernel": stage_kernel, "bandwidth": stage_bandwidth,
-        "wire": stage_wire, "programs": stage_programs, "calibrate": stage_calibrate}[name]
+        "wire": stage_wire, "programs": stage_programs, "calibrate": stage_calibrate,
+        "lowering": stage_lowering}[name]
   return fn(dry, hbm) if name == "bandwidth" else fn(dry)
 
 
@@ -360,6 +489,19 @@ def markdown(results: dict) -> str:
               "| 1-device all_reduce | median |", "|---|---:|"]
     lines += [f"| {k} | {v * 1e6:.0f} us |"
               for k, v in calibrate["one_device_all_reduce_s"].items()]
+  lowering = results.get("lowering", {})
+  if lowering.get("rows"):
+    lines += ["", f"Lowered for {lowering['device_kind']} ({lowering['platform']}) with jax "
+              f"{lowering['jax']}, no such device present:", "",
+              "| program | lowered | collective-permutes | lax collectives | Pallas calls | "
+              "CPU-only |", "|---|---|---:|---:|---:|---|"]
+    for r in lowering["rows"]:
+      if r["ok"]:
+        lax_n = sum(r[op] for op in LAX_OPS)
+        lines.append(f"| {r['case']} | yes | {r['collective_permute']} | {lax_n} | "
+                     f"{r['pallas']} | {'yes' if r['cpu_only'] else 'no'} |")
+      else:
+        lines.append(f"| {r['case']} | no: {r['error'].splitlines()[0][:120]} | | | | |")
   for name, r in results.items():
     if r["status"] != "ok":
       lines += ["", f"## {name}: {r['status']}", "", "```", r.get("error", "")[-1500:], "```"]
@@ -378,6 +520,8 @@ def main(argv=None) -> int:
   parser.add_argument("--timeout", action="append", default=[], metavar="STAGE=SECONDS",
                       help="a stage's timeout (default: " +
                       ", ".join(f"{k} {v} s" for k, v in TIMEOUT_S.items()) + ")")
+  parser.add_argument("--lower-only", action="store_true",
+                      help="env and lowering alone: what a GPU would compile, on any machine")
   parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)
   parser.add_argument("--result", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -391,7 +535,7 @@ def main(argv=None) -> int:
     with open(args.result, "w") as f:
       json.dump(result, f)
     return 0
-  stages = tuple(args.stages.split(","))
+  stages = ("env", "lowering") if args.lower_only else tuple(args.stages.split(","))
   for name in stages:
     if name not in STAGES:
       parser.error(f"--stages: {name!r} is not one of {STAGES}")

@@ -12,7 +12,9 @@ from jaxcoll._src.wire.fused_combine import (
   ROUNDINGS,
   fused_combine,
   fused_combine_reference,
+  gpu_compilers,
   stochastic_round,
 )
 
-__all__ = ("ROUNDINGS", "fused_combine", "fused_combine_reference", "stochastic_round")
+__all__ = ("ROUNDINGS", "fused_combine", "fused_combine_reference", "gpu_compilers",
+           "stochastic_round")

@@ -84,6 +84,9 @@ JAX_VERSION = _version(jax.__version__)
 REMAT_COLLECTIVES_STAY_SEPARATE = JAX_VERSION >= (0, 12)
 BARRIERS_KEEP_UPDATES_IN_PLACE = JAX_VERSION >= (0, 12)
 BARRIERS_ORDER_COLLECTIVES = JAX_VERSION >= (0, 12)
+# jax 0.12's pallas_call registers Triton's GPU lowering only (Mosaic GPU kernels go through
+# plgpu.kernel there); jax 0.10's lowers a pallas_call with Mosaic GPU compiler params
+PALLAS_CALL_LOWERS_MOSAIC_GPU = JAX_VERSION < (0, 12)
 
 
 def trace_state_clean() -> bool:
@@ -315,3 +318,21 @@ def vmap_spmd_axes() -> frozenset:
   """The mesh axes enclosing ``jax.vmap`` calls map their batch over (``spmd_axis_name``)."""
   from jax._src import core
   return frozenset(core.get_axis_env().spmd_axis_names)
+
+
+_BACKEND_OF_PLATFORM = {"cuda": "gpu", "rocm": "gpu"}   # jax.default_backend()'s names
+
+
+def target_backend() -> str:
+  """The backend the program being traced is for: the platform of the abstract mesh in use
+  when it names one (``jax.sharding.use_abstract_mesh(AbstractMesh(...,
+  abstract_device=AbstractDevice(platform="cuda", ...)))``, to lower for a GPU this machine
+  lacks), as ``jax.default_backend()`` names it ("gpu" for cuda and rocm); else
+  ``jax.default_backend()``. Every choice jaxcoll makes by backend (the Pallas kernel or its
+  interpreter, the ragged_dot path, auto's preset and whether a profile is trusted) reads
+  it, so a program lowered for a GPU is the program a GPU would run."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  platform = getattr(device, "platform", None)
+  if platform is None:
+    return jax.default_backend()
+  return _BACKEND_OF_PLATFORM.get(platform, platform)

@@ -25,10 +25,8 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 
-import jax
-
+from jaxcoll._src import compat, ops
 from jaxcoll._src import config as config_lib
-from jaxcoll._src import ops
 from jaxcoll._src.auto import cost, debug_log
 from jaxcoll._src.auto import topology as topology_lib
 from jaxcoll._src.auto.profile import Profile
@@ -74,7 +72,7 @@ def profile_in_use(profile: Profile | str | None = None) -> Profile:
     return Profile.resolve(profile)
   if config_lib.current().profile is not None:
     return config_lib.current().profile
-  return Profile.preset(DEFAULT_PRESET.get(jax.default_backend(), "cpu"))
+  return Profile.preset(DEFAULT_PRESET.get(compat.target_backend(), "cpu"))
 
 
 def candidates(primitive: str, axis_names: Sequence[str], axis_sizes: Sequence[int],
@@ -174,8 +172,9 @@ def offered(primitive: str, algorithm, num_axes: int):
 
 
 def trusted(profile: Profile) -> bool:
-  """Whether ``profile`` was measured on the default backend (or given by the user)."""
-  return profile.trusted(jax.default_backend())
+  """Whether ``profile`` was measured on the backend the program is for
+  (:func:`compat.target_backend`), or given by the user."""
+  return profile.trusted(compat.target_backend())
 
 
 def choose(primitive, axis_names, axis_sizes, nbytes, profile, *, partial_sum_scale=1.0,

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcoll._src import compat
 from jaxcoll.extend import check_int, check_one_of, make_varying
 
 IMPLEMENTATIONS = ("auto", "ragged_dot", "tiled")
@@ -155,7 +156,7 @@ def grouped_matmul(x, w, group_sizes, *, implementation: str = "auto", tile: int
   check_one_of(implementation, IMPLEMENTATIONS, "implementation")
   check_int(tile, "tile", least=1)
   if implementation == "auto":
-    implementation = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+    implementation = "tiled" if compat.target_backend() == "cpu" else "ragged_dot"
   group_sizes = group_sizes.astype(jnp.int32)
   if implementation == "ragged_dot":
     return lax.ragged_dot(x, w, group_sizes)

@@ -30,8 +30,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxcoll._src import compat, ops
 from jaxcoll._src import config as config_lib
-from jaxcoll._src import ops
 from jaxcoll._src.wire.formats import dequantize, pow2, scales
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -42,9 +42,29 @@ COMPILED_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
 GPU_COMPILERS = ("triton", "mosaic_gpu")   # Pallas' GPU back ends (``compiler=``)
 
 
+def gpu_compilers() -> tuple[str, ...]:
+  """The Pallas GPU back ends ``fused_combine(compiler=...)`` can compile with under the
+  installed jax: Triton always; Mosaic GPU where this jax's ``pallas_call`` lowers it
+  (jax 0.10, with the kernel's tiles at most 256 wide; not jax 0.12).
+
+  Returns:
+    A tuple of names from ``("triton", "mosaic_gpu")``.
+
+  Raises:
+    Nothing.
+
+  Example:
+    >>> import jaxcoll
+    >>> jaxcoll.kernels.gpu_compilers()[0]
+    'triton'
+  """
+  return GPU_COMPILERS if compat.PALLAS_CALL_LOWERS_MOSAIC_GPU else GPU_COMPILERS[:1]
+
+
 def backend_compiles() -> bool:
-  """Whether Pallas compiles the kernel on the default backend (else: interpret mode)."""
-  return jax.default_backend() in COMPILED_BACKENDS
+  """Whether Pallas compiles the kernel on the backend the program is for
+  (:func:`compat.target_backend`; else: interpret mode)."""
+  return compat.target_backend() in COMPILED_BACKENDS
 
 
 def combines(dtype) -> bool:
@@ -110,13 +130,17 @@ def fused_combine(acc, recv, *, op: str = "sum", scale: float | None = None, out
   if compiler is not None:
     if compiler not in GPU_COMPILERS:
       raise ValueError(f"compiler={compiler!r}: expected one of {GPU_COMPILERS} or None")
-    if spec.interpret or jax.default_backend() not in ("gpu", "cuda", "rocm"):
+    if spec.interpret or compat.target_backend() != "gpu":
       raise ValueError(f"compiler={compiler!r} chooses a GPU back end; this kernel runs "
-                       f"{'interpreted' if spec.interpret else 'on ' + jax.default_backend()}")
+                       f"{'interpreted' if spec.interpret else 'on ' + compat.target_backend()}")
+    if compiler == "mosaic_gpu" and not compat.PALLAS_CALL_LOWERS_MOSAIC_GPU:
+      raise ValueError(f"compiler='mosaic_gpu': jax {jax.__version__}'s pallas_call has no "
+                       "Mosaic GPU lowering; use 'triton' (the default on a GPU)")
     spec = dataclasses.replace(spec, compiler=compiler)
   shape = acc.shape
+  lanes = [w for w in LANES if w <= _max_block(spec.compiler)]
   width = recv.shape[-1] // recv_exponents.shape[-1] if recv_exponents is not None else (
-      next((w for w in LANES if acc.size % w == 0), LANES[-1]))
+      next((w for w in lanes if acc.size % w == 0), lanes[-1]))
   as_rows = lambda x: _rows(x.reshape(-1), width)   # noqa: E731
   exps = None if recv_exponents is None else scales(recv_exponents.reshape(-1, 1))
   bits = None if key is None else jax.random.bits(key, (acc.size,), jnp.uint32)
@@ -273,9 +297,23 @@ def _varying_type(*xs):
   return mats[0].update(varying=varying)
 
 
+def _max_block(compiler: str | None) -> int:
+  """The longest block dimension a back end copies: Mosaic GPU's asynchronous copies move at
+  most 256 elements along each dimension; Triton and Mosaic TPU take any."""
+  return 256 if compiler == "mosaic_gpu" else 1 << 30
+
+
+def _tile_values(compiler: str | None) -> int:
+  """Values per tile: Mosaic GPU stages every operand's tile, double-buffered, in shared
+  memory (at most 227 KiB on an H100/H200): 4096 float32 a tile keeps four operands in
+  128 KiB."""
+  return 1 << 12 if compiler == "mosaic_gpu" else TILE_VALUES
+
+
 def _pallas(spec: _Spec, acc, recv, exps, bits):
   rows, width = acc.shape
-  tile = min(max(TILE_VALUES // width, 1), 1 << max(rows - 1, 0).bit_length())
+  tile = min(max(_tile_values(spec.compiler) // width, 1),
+             1 << max(rows - 1, 0).bit_length(), _max_block(spec.compiler))
   block = lambda w: pl.BlockSpec((tile, w), lambda i: (i, 0))   # noqa: E731
   operands = [x for x in (acc, recv, exps, bits) if x is not None]
   in_specs = [block(width), block(width)] + ([block(1)] if exps is not None else []) + (
@@ -286,12 +324,18 @@ def _pallas(spec: _Spec, acc, recv, exps, bits):
       grid=(pl.cdiv(rows, tile),), in_specs=in_specs, out_specs=block(width), out_shape=out,
       input_output_aliases={0: 0} if spec.out_dtype == acc.dtype else {},
       interpret=spec.interpret, name="jaxcoll_fused_combine",
-      compiler_params=_compiler_params(spec.compiler))
+      compiler_params=_compiler_params(spec))
   return call(*operands)
 
 
-def _compiler_params(compiler: str | None):
-  """Pallas' compiler parameters that select ``compiler`` (None: its default)."""
+def _compiler_params(spec: _Spec):
+  """Pallas' compiler parameters that select ``spec.compiler``; None: Pallas' default, save
+  for a kernel compiled for a GPU, where it is Triton (jax 0.10's default is Mosaic GPU,
+  which lowers this kernel only in tiles of at most 256 and without stochastic rounding;
+  jax 0.12's pallas_call has no Mosaic GPU lowering: tests/test_lowering.py)."""
+  compiler = spec.compiler
+  if compiler is None and not spec.interpret and compat.target_backend() == "gpu":
+    compiler = "triton"
   if compiler == "triton":
     from jax.experimental.pallas import triton
     return triton.CompilerParams()
