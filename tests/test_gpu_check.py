@@ -12,8 +12,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.quick
-
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                       "gpu_check.py")
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -27,6 +25,8 @@ def check(tmp_path, *flags):
       (tmp_path / "gpu_check.md").read_text()
 
 
+# The dry run and the failing stage run in the full suite; on the oldest jax the lowering they
+# share is tests/test_lowering.py's and test_lower_only_runs_on_any_machine's (quick).
 def test_the_dry_run_runs_every_stage_and_reports_each(tmp_path):
   done, results, report = check(tmp_path)
   assert done.returncode == 0, done.stdout + done.stderr
@@ -68,6 +68,7 @@ def check_lowering(lowering):
   assert rows["auto all_reduce (GPU preset)"]["all_reduce"] == 1
 
 
+@pytest.mark.quick
 def test_lower_only_runs_on_any_machine(tmp_path):
   out = tmp_path / "lower"
   done = subprocess.run([sys.executable, SCRIPT, "--lower-only", "--out", str(out)],

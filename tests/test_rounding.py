@@ -16,8 +16,6 @@ from jax import lax
 import jaxcoll
 from tests.helpers import mesh
 
-pytestmark = pytest.mark.quick   # also on the oldest supported jax (.ci/run)
-
 PRIMITIVES = ("all_reduce", "reduce_scatter", "reduce")
 KEYS = 2            # keys per call; with LENGTH values each: 2 x 49152 samples per device
 LENGTH = 16384 * 3   # divisible by every axis size used (8, 6, 4)
@@ -68,6 +66,7 @@ def algorithms(primitive):
 CASES = [(p, a) for p in PRIMITIVES for a in algorithms(p)]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("primitive,algorithm", CASES)
 def test_unbiased_where_round_to_nearest_is_biased(primitive, algorithm):
   """The mean over 2 keys x 49152 values is within 0.1 of the float32 sum: each result is at
@@ -82,6 +81,7 @@ def test_unbiased_where_round_to_nearest_is_biased(primitive, algorithm):
   assert abs(biased.mean() - exact) >= 0.5
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("primitive", ["all_reduce", "reduce_scatter"])
 @pytest.mark.parametrize("algorithm", ["native", "ring", "halving_doubling"])
 @pytest.mark.parametrize("op", ["sum", "mean"])
@@ -97,7 +97,8 @@ def test_unbiased_with_float32_partial_sums_and_a_mean(primitive, algorithm, op)
   assert abs(y.mean() - exact) < 5 * step / 2 / np.sqrt(y.size), (y.mean(), exact)
 
 
-@pytest.mark.parametrize("n", [1, 3, 8])
+# quick (on the oldest jax too): every test, this one on 8 devices (1 and 3: the full suite)
+@pytest.mark.parametrize("n", [1, 3, pytest.param(8, marks=pytest.mark.quick)])
 @pytest.mark.parametrize("wire", [None, *jaxcoll.WIRE_DTYPES[1:]])
 def test_replicas_bit_identical_every_algorithm_and_wire_format(n, wire):
   """Random bfloat16 data: every all_reduce algorithm, plain, with float32 partial sums and
@@ -131,6 +132,7 @@ def test_replicas_bit_identical_every_algorithm_and_wire_format(n, wire):
       assert np.abs(y[0] - exact).max() <= steps * eps * scale, algorithm
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("primitive", PRIMITIVES)
 @pytest.mark.parametrize("wire", ["int8", "float8_e4m3fn", "float8_e5m2"])
 def test_every_reducing_primitive_with_a_wire_format(primitive, wire):
@@ -149,6 +151,7 @@ def test_every_reducing_primitive_with_a_wire_format(primitive, wire):
   assert np.abs(y - exact).max() <= bound
 
 
+@pytest.mark.quick
 def test_the_fused_kernel_rounds_with_the_same_bits():
   """The Pallas combine (interpret mode here) and the jax.numpy combine give the same bits."""
   n = 4
@@ -160,6 +163,7 @@ def test_the_fused_kernel_rounds_with_the_same_bits():
   np.testing.assert_array_equal(plain, fused)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("algorithm", ["native", "ring", "halving_doubling"])
 @pytest.mark.parametrize("extra", [{}, {"accumulate_dtype": "float32"}, {"wire_dtype": "int8"}])
 def test_gradients_pass_straight_through(algorithm, extra):
@@ -194,6 +198,7 @@ def test_gradients_pass_straight_through(algorithm, extra):
                              np.asarray(reference, np.float32), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.quick
 def test_pytrees_round_their_low_precision_leaves_each_with_its_own_bits():
   """A float32 leaf beside bfloat16 ones is reduced as lax reduces it; two equal bfloat16
   leaves get different bits (the leaf's index is folded into the key)."""
@@ -209,6 +214,7 @@ def test_pytrees_round_their_low_precision_leaves_each_with_its_own_bits():
   np.testing.assert_allclose(np.asarray(out["c"]), f32.sum(0), rtol=1e-6)
 
 
+@pytest.mark.quick
 @settings(deadline=None, max_examples=12)
 @given(n=st.integers(1, 8), length=st.integers(1, 300), half=st.booleans(),
        raw=st.booleans())
@@ -229,6 +235,7 @@ def test_any_size_and_dtype_and_key_kind(n, length, half, raw):
   assert np.abs(y[0] - np.asarray(x, np.float64).sum(0)).max() <= 2 * n * eps * scale
 
 
+@pytest.mark.quick
 def test_errors_name_the_argument():
   n = 2
   m = mesh(n)
@@ -283,6 +290,7 @@ def sharded(tree):
   return jax.tree.map(lambda v: v[0], tree)
 
 
+@pytest.mark.quick
 def test_sync_gradients_and_sync_in_backward_are_unbiased():
   """bfloat16 leaves round stochastically (the mean over keys within 0.1 of the float32 sum,
   as for all_reduce), the float32 leaf as lax reduces it."""
@@ -316,6 +324,7 @@ def test_sync_gradients_and_sync_in_backward_are_unbiased():
   np.testing.assert_allclose(np.asarray(backward[0]["f32"]), g["f32"].sum(0), rtol=1e-5)
 
 
+@pytest.mark.quick
 def test_optax_sync_keeps_its_key_in_the_state_and_splits_it_every_step():
   """Each update rounds with a key split off the state's (the same as sync_gradients with
   that key) and leaves the rest for the next step; parameters stay replicated."""
@@ -341,6 +350,7 @@ def test_optax_sync_keeps_its_key_in_the_state_and_splits_it_every_step():
   assert isinstance(optax.chain(tx, optax.sgd(1.0)).init(sharded(g)), tuple)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("secondary", [False, True])
 def test_fsdp_gradients_round_stochastically_and_unbiased(secondary):
   """bfloat16 shards: the layer's gradient, reduce-scattered in float32, rounds once,

@@ -23,7 +23,6 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcoll
 
-pytestmark = pytest.mark.quick   # reads jaxprs: on every supported jax
 
 def make_mesh(shape, names, explicit: bool = False):
   types = (AxisType.Explicit if explicit else AxisType.Auto,) * len(shape)
@@ -66,6 +65,7 @@ def notebook(layout: str):
                                                                            P("batch"))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("layout", ["dp", "dp_explicit", "dp_tp", "fsdp"])
 def test_notebook_training_step(layout):
   mesh, params, batch = notebook(layout)
@@ -76,6 +76,7 @@ def test_notebook_training_step(layout):
     assert 1 <= len(summed) <= 3, report
 
 
+@pytest.mark.quick
 def test_notebook_loss_and_gradient():
   mesh, params, batch = notebook("dp_tp")
   assert_like_jit(jax.value_and_grad(models.loss), params, batch, mesh=mesh)
@@ -83,6 +84,7 @@ def test_notebook_loss_and_gradient():
 
 # ---- JAX's examples/spmd_mnist_classifier_fromscratch.py ----
 
+@pytest.mark.quick
 @pytest.mark.parametrize("explicit", [True, False])
 def test_spmd_mnist_train_step(explicit):
   mesh = make_mesh((8,), ("batch",), explicit=explicit)
@@ -109,7 +111,8 @@ def lm(layout: str, explicit: bool = False):
   return mesh, params, opt_state, put(tokens, mesh, P("data")), jax.random.key(2)
 
 
-@pytest.mark.parametrize("layout", ["dp", "tp", "fsdp"])
+# every test reads jaxprs: quick (on the oldest jax too), the LM in one layout of three
+@pytest.mark.parametrize("layout", ["dp", "tp", pytest.param("fsdp", marks=pytest.mark.quick)])
 def test_transformer_lm_step(layout):
   mesh, *args = lm(layout)
   report = assert_like_jit(models.lm_step, *args, mesh=mesh)
@@ -118,6 +121,7 @@ def test_transformer_lm_step(layout):
     assert {"all_gather", "reduce_scatter"} <= kinds, report
 
 
+@pytest.mark.quick
 def test_dropout_draws_as_jit_and_differ_between_devices():
   """The same random bits as plain jit: every device draws its own rows' mask."""
   mesh = make_mesh((8,), ("data",))
@@ -134,6 +138,7 @@ def test_dropout_draws_as_jit_and_differ_between_devices():
 
 # ---- jax.grad of a pjit-style function under use ----
 
+@pytest.mark.quick
 def test_grad_of_use_holds_no_lax_collective():
   mesh, params, batch = notebook("dp")
   rerouted = jaxcoll.use(models.loss, algorithm="ring", in_shardings=(
@@ -150,6 +155,7 @@ def test_grad_of_use_holds_no_lax_collective():
 
 # ---- layouts given to use, taken from a jitted function, axes left to XLA ----
 
+@pytest.mark.quick
 def test_layouts_from_a_jitted_functions_shardings():
   """``use(jax.jit(step, in_shardings=..., out_shardings=...))`` on arrays not yet laid
   out: the jitted function's shardings say how the step runs (flax's lm1b example jits its
@@ -165,6 +171,7 @@ def test_layouts_from_a_jitted_functions_shardings():
   assert report.xla_collectives == 0 and report.collectives, report
 
 
+@pytest.mark.quick
 def test_out_shardings_lay_out_the_outputs():
   mesh, params, batch = notebook("dp")
   with jax.set_mesh(mesh):
@@ -174,6 +181,7 @@ def test_out_shardings_lay_out_the_outputs():
   assert got.sharding.is_fully_replicated
 
 
+@pytest.mark.quick
 def test_axes_leaves_the_others_to_xla():
   mesh, params, batch = notebook("dp_tp")
   with jax.set_mesh(mesh):
@@ -214,6 +222,7 @@ FALLBACKS = {"fft": _fft, "reduce_window_max": _reduce_window, "reduce": _custom
              "cholesky": _cholesky}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", sorted(FALLBACKS))
 def test_a_primitive_without_rule_runs_whole_and_is_reported(name):
   fn = FALLBACKS[name]
@@ -232,6 +241,7 @@ def test_a_primitive_without_rule_runs_whole_and_is_reported(name):
 
 # ---- bad arguments ----
 
+@pytest.mark.quick
 def test_bad_arguments_name_what_was_expected():
   mesh, params, batch = notebook("dp")
   with jax.set_mesh(mesh):
@@ -249,6 +259,7 @@ def test_bad_arguments_name_what_was_expected():
     jaxcoll.use(algorithm="ring")("step")
 
 
+@pytest.mark.quick
 def test_inputs_on_different_meshes_are_refused_by_name():
   """As ``jax.jit`` refuses them: each input named, each mesh's devices."""
   from jax.sharding import Mesh
@@ -262,6 +273,7 @@ def test_inputs_on_different_meshes_are_refused_by_name():
     jaxcoll.use(lambda x, y: x + y["b"])(a, {"b": b})
 
 
+@pytest.mark.quick
 def test_the_report_names_the_users_frame_beside_the_librarys():
   """An optimizer's gradient sum is made in optax's code; the report's line names the
   user's call (this file) and optax's frame beside it."""
@@ -282,6 +294,7 @@ def test_the_report_names_the_users_frame_beside_the_librarys():
   assert "test_use_pjit.py" in line.where and ".step) via optax/" in line.where, line
 
 
+@pytest.mark.quick
 def test_a_sum_made_whole_for_an_output_names_the_line_that_made_it():
   mesh = make_mesh((8,), ("data",))
   x = put(jnp.ones((64, 8)), mesh, P("data"))
@@ -297,6 +310,7 @@ def test_a_sum_made_whole_for_an_output_names_the_line_that_made_it():
 
 # ---- a gather and scatter-add whose rows pair with the indices' (take_along_axis) ----
 
+@pytest.mark.quick
 def test_integer_label_cross_entropy_stays_per_device():
   """optax's integer-label cross-entropy reads each row's label with take_along_axis (a
   gather with batching dimensions; its gradient a scatter-add): with logits and labels
@@ -314,6 +328,7 @@ def test_integer_label_cross_entropy_stays_per_device():
 
 # ---- Explicit sharding mode: reshard and out_sharding as jaxcoll collectives ----
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", ["gather", "move", "sum_whole", "sum_split"])
 def test_explicit_mode_reshard_runs_as_the_jaxcoll_collective(case):
   """Split -> whole: all_gather; one split dimension -> another: all_to_all; a contraction
@@ -333,6 +348,7 @@ def test_explicit_mode_reshard_runs_as_the_jaxcoll_collective(case):
   assert [c.what for c in report.collectives] == [collective], report
 
 
+@pytest.mark.quick
 def test_debug_log_lists_the_report_lines(monkeypatch, caplog):
   """``JAXCOLL_DEBUG=INFO``: each line of the step's report is logged as it is traced."""
   import logging
@@ -349,6 +365,7 @@ def test_debug_log_lists_the_report_lines(monkeypatch, caplog):
     assert f"use: {line}" in logged, (line, logged)
 
 
+@pytest.mark.quick
 def test_sums_run_over_the_mesh_axes_outer_first():
   """A sum over two mesh axes names them in the mesh's order (outer first), so a
   hierarchical all-reduce crosses the outer (slow) axis with the smallest pieces."""
@@ -366,6 +383,7 @@ def test_sums_run_over_the_mesh_axes_outer_first():
   assert {x.algorithm for x in sums} == {"hierarchical"}, report
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", ["argmax", "argmin", "cumsum", "cummax", "one_hot",
                                   "log_softmax", "top_k"])
 def test_reductions_and_scans_over_the_split_dimension(name):
