@@ -80,7 +80,8 @@ def _version(text: str) -> tuple[int, ...]:
   return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
 
 
-JAX_VERSION = _version(jax.__version__)
+JAX_VERSION_TEXT = jax.__version__   # as jax prints it, for messages
+JAX_VERSION = _version(JAX_VERSION_TEXT)
 REMAT_COLLECTIVES_STAY_SEPARATE = JAX_VERSION >= (0, 12)
 BARRIERS_KEEP_UPDATES_IN_PLACE = JAX_VERSION >= (0, 12)
 BARRIERS_ORDER_COLLECTIVES = JAX_VERSION >= (0, 12)

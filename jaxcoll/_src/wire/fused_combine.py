@@ -134,7 +134,7 @@ def fused_combine(acc, recv, *, op: str = "sum", scale: float | None = None, out
       raise ValueError(f"compiler={compiler!r} chooses a GPU back end; this kernel runs "
                        f"{'interpreted' if spec.interpret else 'on ' + compat.target_backend()}")
     if compiler == "mosaic_gpu" and not compat.PALLAS_CALL_LOWERS_MOSAIC_GPU:
-      raise ValueError(f"compiler='mosaic_gpu': jax {jax.__version__}'s pallas_call has no "
+      raise ValueError(f"compiler='mosaic_gpu': jax {compat.JAX_VERSION_TEXT}'s pallas_call has no "
                        "Mosaic GPU lowering; use 'triton' (the default on a GPU)")
     spec = dataclasses.replace(spec, compiler=compiler)
   shape = acc.shape
