@@ -315,6 +315,18 @@ def count_ops(text: str) -> dict:
   return out
 
 
+def collective(primitive: str, algorithm, axes, **kw):
+  """``primitive`` over ``axes`` as a function of one array (tiled, split and concatenated
+  along dimension 0 where it splits)."""
+  import jaxcoll
+  fn = getattr(jaxcoll, primitive)
+  if primitive == "all_to_all":
+    return lambda v: fn(v, axes, 0, 0, tiled=True, algorithm=algorithm, **kw)
+  if primitive in ("reduce_scatter", "all_gather"):
+    return lambda v: fn(v, axes, tiled=True, algorithm=algorithm, **kw)
+  return lambda v: fn(v, axes, algorithm=algorithm, **kw)
+
+
 def lowering_cases(platform: str, device_kind: str):
   """``(name, fn, specs, mesh)`` of what :func:`stage_lowering` lowers."""
   import jax
@@ -326,14 +338,6 @@ def lowering_cases(platform: str, device_kind: str):
   mesh8 = abstract_mesh((8,), ("x",), platform, device_kind)
   mesh24 = abstract_mesh((2, 4), ("node", "local"), platform, device_kind)
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-
-  def collective(primitive, algorithm, axes, **kw):
-    fn = getattr(jaxcoll, primitive)
-    if primitive == "all_to_all":
-      return lambda v: fn(v, axes, 0, 0, tiled=True, algorithm=algorithm, **kw)
-    if primitive in ("reduce_scatter", "all_gather"):
-      return lambda v: fn(v, axes, tiled=True, algorithm=algorithm, **kw)
-    return lambda v: fn(v, axes, algorithm=algorithm, **kw)
 
   def on(mesh, body, *specs, in_specs=None):
     names = tuple(mesh.axis_names)

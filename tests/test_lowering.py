@@ -80,17 +80,6 @@ def _cases():
                            id=f"{primitive}-{algorithm}-{mesh_name}")
 
 
-def _call(primitive, v, axes, algorithm, **kw):
-  fn = getattr(jaxcoll, primitive)
-  if primitive in ("all_to_all",):
-    return fn(v, axes, 0, 0, tiled=True, algorithm=algorithm, **kw)
-  if primitive == "reduce_scatter":
-    return fn(v, axes, tiled=True, algorithm=algorithm, **kw)
-  if primitive == "all_gather":
-    return fn(v, axes, tiled=True, algorithm=algorithm, **kw)
-  return fn(v, axes, algorithm=algorithm, **kw)
-
-
 def _variants(primitive, algorithm):
   """(name, dtype, keyword arguments): plain, each wire format the primitive sends, and
   stochastic rounding for the reductions."""
@@ -119,7 +108,7 @@ def test_every_collective_lowers_for_a_gpu(mesh_name, primitive, algorithm):
     for (name, _, kw), v in zip(variants, xs):
       if name == "stochastic":
         kw = dict(kw, key=key)
-      out[name] = _call(primitive, v, axes, algorithm, **kw)
+      out[name] = gpu_check.collective(primitive, algorithm, axes, **kw)(v)
     return out
 
   spec = P(names)
@@ -243,7 +232,7 @@ def test_auto_keeps_the_lax_collective_on_a_gpu_it_has_no_measurements_for(primi
   """On uncalibrated data-sheet figures (the GPU preset), auto never leaves NCCL: the
   lowered module holds the lax collective and no collective-permute."""
   mesh = abstract_mesh((8,), ("x",))
-  f = jax.shard_map(lambda v: _call(primitive, v, "x", "auto"), mesh=mesh, in_specs=P("x"),
+  f = jax.shard_map(gpu_check.collective(primitive, "auto", "x"), mesh=mesh, in_specs=P("x"),
                     out_specs=P("x"), check_vma=False)
   text = lower(f, (jax.ShapeDtypeStruct((8 << 20,), jnp.float32),), mesh, f"auto {primitive}")
   found = ops(text)

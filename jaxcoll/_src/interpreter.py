@@ -183,12 +183,18 @@ def evaluate(jaxpr, consts: Sequence, args: Sequence, apply: Callable[[object, l
   return [read(v) for v in jaxpr.outvars]
 
 
-def bodies(eqn) -> list[Body]:
-  """Every sub-jaxpr of ``eqn`` (its form's bodies; any other primitive's too), each once."""
+def _timed_bodies(eqn) -> tuple[tuple[Body, int], ...]:
+  """``eqn``'s bodies with how many times each runs per run of ``eqn``: its form's, else
+  every sub-jaxpr of a primitive ``FORMS`` does not know, once each."""
   form = form_of(eqn)
   if form is not None:
-    return [b for b, _ in form.bodies]
-  return [Body.of(s) for s in compat.sub_jaxprs(eqn.params)]
+    return form.bodies
+  return tuple((Body.of(s), 1) for s in compat.sub_jaxprs(eqn.params))
+
+
+def bodies(eqn) -> list[Body]:
+  """Every sub-jaxpr of ``eqn`` (its form's bodies; any other primitive's too), each once."""
+  return [b for b, _ in _timed_bodies(eqn)]
 
 
 def walk(jaxpr, times: int = 1) -> Iterator[tuple[object, int]]:
@@ -197,8 +203,7 @@ def walk(jaxpr, times: int = 1) -> Iterator[tuple[object, int]]:
   branch's: once)."""
   for eqn in jaxpr.eqns:
     yield eqn, times
-    form = form_of(eqn)
-    for body, repeat in () if form is None else form.bodies:
+    for body, repeat in _timed_bodies(eqn):
       yield from walk(body.jaxpr, times * repeat)
 
 
