@@ -15,6 +15,7 @@ holds what they share:
   :class:`Scan`, a :class:`While` or a :class:`Cond`. A reader dispatches on the form, not
   on the primitive, so a new higher-order primitive is one entry here (:func:`register_form`)
   and every reader handles it;
+- :func:`live`: which equations reach an output;
 - :func:`walk`: every equation of a jaxpr and of its bodies, with how often it runs;
 - :func:`fixed_point`: a loop's carries joined with what the body makes of them until they
   stop changing.
@@ -181,6 +182,21 @@ def evaluate(jaxpr, consts: Sequence, args: Sequence, apply: Callable[[object, l
       if not isinstance(var, jax.extend.core.DropVar):
         env[var] = val
   return [read(v) for v in jaxpr.outvars]
+
+
+def live(jaxpr) -> list[bool]:
+  """Per equation of ``jaxpr``: whether it has effects or some output of it reaches the
+  jaxpr's outputs (XLA drops the rest, and an evaluator need not run them: a sum only a dead
+  equation reads is never reduced)."""
+  needed = {v for v in jaxpr.outvars if not isinstance(v, jax.extend.core.Literal)}
+  out = [False] * len(jaxpr.eqns)
+  for i in reversed(range(len(jaxpr.eqns))):
+    eqn = jaxpr.eqns[i]
+    if eqn.effects or any(v in needed for v in eqn.outvars
+                          if not isinstance(v, jax.extend.core.DropVar)):
+      out[i] = True
+      needed.update(v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal))
+  return out
 
 
 def _timed_bodies(eqn) -> tuple[tuple[Body, int], ...]:

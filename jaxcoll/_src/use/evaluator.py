@@ -34,8 +34,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxcoll._src import compat
-from jaxcoll._src.interpreter import FORMS, bodies, form_of, walk
-from jaxcoll._src.use.partial_sums import choose, origin_of, reduced_apart
+from jaxcoll._src.interpreter import FORMS, bodies, form_of, live, walk
+from jaxcoll._src.use.backward import backward_values
+from jaxcoll._src.use.partial_sums import choose, one_sum, origin_of, reduced_apart
 from jaxcoll._src.use.placement import (
   Local,
   Placement,
@@ -52,6 +53,7 @@ from jaxcoll._src.use.rules import (
   REBUILT,
   RULES,
   Refused,
+  asked,
   fallback,
   keeps_partial,
   laid_out_as_asked,
@@ -82,6 +84,7 @@ class _Scope:
   producers: dict | None = None
   last_use: dict | None = None
   position: int = 0          # the equation being evaluated
+  live: list | None = None   # per equation: whether it reaches an output (interpreter.live)
 
 
 class Evaluator:
@@ -92,8 +95,9 @@ class Evaluator:
   def __init__(self, sizes: dict, manual: tuple[str, ...], options: Callable,
                strict: bool = False, rewrite_island: Callable | None = None,
                abstract: bool = False, known: dict | None = None,
-               hoisted: dict | None = None):
+               hoisted: dict | None = None, gradients: frozenset = frozenset()):
     self.sizes, self.manual, self.strict = dict(sizes), tuple(manual), strict
+    self.gradients = gradients   # the variables autodiff's backward pass made (backward.py)
     self.hoisted = {} if hoisted is None else hoisted   # id(const) -> its piece (run)
     self.rewrite_island = rewrite_island
     self.known = {} if known is None else known   # bodies' placements (abstract_places)
@@ -116,7 +120,7 @@ class Evaluator:
     jaxcoll's (:class:`redistribute.Comm`), nothing recorded."""
     return Evaluator(self.sizes, self.manual, self.comm.options, self.strict,
                      self.rewrite_island, abstract=True, known=self.known,
-                     hoisted=self.hoisted)
+                     hoisted=self.hoisted, gradients=self.gradients)
 
   def const(self, c) -> Local:
     """A constant of a nested jaxpr: the program's input it entered as (:func:`run`), else
@@ -135,11 +139,14 @@ class Evaluator:
     outer = self.scopes[-1] if inline and self.scopes else None
     scope = _Scope(jaxpr, {}, {}, {}) if outer is None else \
         _Scope(jaxpr, {}, outer.reduced, outer.moved)
+    scope.live = live(jaxpr)
     self.scopes.append(scope)
     try:
       for var, local in (*zip(jaxpr.constvars, consts), *zip(jaxpr.invars, args)):
         self._set(scope, var, local)
       for scope.position, eqn in enumerate(jaxpr.eqns):
+        if not scope.live[scope.position]:   # dead: XLA drops it, nothing of it is sent
+          continue
         ins = [self.read(v) for v in eqn.invars]
         where = compat.source_line(eqn) or self.where[-1]
         outs = self.apply(eqn, ins, where)
@@ -230,9 +237,22 @@ class Evaluator:
     if key not in scope.moved:
       if local.slicer is not None and local.finer(place):
         scope.moved[key] = local.slicer(place)
+        self._split_from_here(scope, local, place, scope.moved[key])
       else:
         scope.moved[key] = redistribute(local.value, local.place, place, self.comm)
     return scope.moved[key]
+
+  def _split_from_here(self, scope: _Scope, local: Local, place: Placement, piece) -> None:
+    """A value this program computes whole, read split (its piece made by its slicer), is
+    read split by later readers too, as jit's partitioner propagates a split into the value
+    it splits: a sum of it is then a partial sum of pieces, each device's work divided. The
+    whole value stays at hand for readers that need it whole (no gather)."""
+    var = local.var
+    if local.given or var is None or scope.env.get(var) is not local:
+      return
+    split = dataclasses.replace(local, value=piece, place=place, kept=None)
+    scope.env[var] = split
+    scope.moved[(local.key, place, local.place)] = local.value
 
   def flush(self, scope: _Scope, wanted: dict | None = None) -> None:
     """Every partial sum waiting in ``scope`` that is still to be read made whole (or split
@@ -260,9 +280,15 @@ class Evaluator:
     if not sources:
       return
     targets = [_asked(wanted, s.key) or self._headed(s) for s in sources]
-    values = reduce_many([(s.value, s.place, t) for s, t in zip(sources, targets)], self.comm)
+    values = reduce_many([(s.value, s.place, t) for s, t in zip(sources, targets)], self.comm,
+                         gradient=[s.var in self.gradients for s in sources])
     for s, value, target in zip(sources, values, targets):
       reduced[s.key] = Local(value, target, key=s.key)
+
+  def one_sum(self, x: Local, y: Local) -> bool:
+    """Whether two partial values are one sum (:func:`partials.one_sum`): reducing one
+    derives the other, so a rule that needs both whole pays for one reduction."""
+    return one_sum(x, y, self.scopes[-1].reduced)
 
   def derive(self, local: Local) -> Local:
     """``local`` (a partial sum) as a whole value: read back if reduced, else made by its
@@ -311,8 +337,11 @@ class Evaluator:
     """The placement the sum in ``var`` will be needed in: following its consumers through
     equations that keep it a sum of the same shape (a scale, a negation, an add of another
     sum), the first that meets a value of known, split placement (an FSDP parameter, or its
-    optimizer state) splits it the same way, as far as the sum's own axes go (the rest is
-    sliced for free when it meets that value); else whole (an all-reduce)."""
+    optimizer state) or a sharding annotation that splits it (the transpose of an FSDP
+    layer's ``reshard(w, P())``) splits it the same way, as far as the sum's own axes go
+    (the rest is sliced for free where it meets that value); else whole (an all-reduce).
+    Whichever value's reading makes the sums whole, each lands where it is headed: the
+    order of two annotations changes nothing."""
     consumers = self._consumers(scope)
     frontier, seen = [var], set()
     while frontier:
@@ -321,6 +350,13 @@ class Evaluator:
         continue
       seen.add(v)
       for eqn in consumers.get(v, ()):
+        target = asked(self, eqn)   # a sharding annotation: where the sum is moved to
+        if target is not None:
+          target = _within(target, place.partial | place.sharded)
+          if target.sharded and all(not place.dims[d] or place.dims[d] == target.dims[d]
+                                    for d in range(place.ndim)):
+            return target
+          continue
         if eqn.primitive.name not in ELEMENTWISE:
           continue
         for other in eqn.invars:
@@ -360,7 +396,7 @@ class Evaluator:
     if scope.last_use is None:
       scope.last_use = {}
       for i, eqn in enumerate(scope.jaxpr.eqns):
-        for v in eqn.invars:
+        for v in eqn.invars if scope.live[i] else ():
           if not isinstance(v, jax.extend.core.Literal):
             scope.last_use[v] = i
       for v in scope.jaxpr.outvars:
@@ -371,8 +407,8 @@ class Evaluator:
   def _consumers(self, scope: _Scope) -> dict:
     if scope.consumers is None:
       scope.consumers = {}
-      for eqn in scope.jaxpr.eqns:
-        for v in eqn.invars:
+      for eqn, alive in zip(scope.jaxpr.eqns, scope.live):
+        for v in eqn.invars if alive else ():
           if not isinstance(v, jax.extend.core.Literal):
             scope.consumers.setdefault(v, []).append(eqn)
     return scope.consumers
@@ -432,9 +468,10 @@ def _within(place: Placement, axes) -> Placement:
 def options_for(opts) -> Callable:
   """The collectives' keyword arguments under ``use``'s options: the algorithm each primitive
   gets, and the wire format where ``use`` compresses (``opts.wire_for``)."""
-  def options(primitive: str, axes, dtype, op: str = "sum") -> dict:
+  def options(primitive: str, axes, dtype, op: str = "sum", size: int | None = None,
+              gradient: bool = True) -> dict:
     return {"algorithm": opts.algorithm_for(primitive, tuple(axes)),
-            **opts.wire_for(primitive, dtype, op)}
+            **opts.wire_for(primitive, dtype, op, size, gradient)}
   return options
 
 
@@ -551,16 +588,19 @@ def run(closed, leaves, mesh, manual: tuple[str, ...], places: Sequence[Placemen
   transpose (``jax.grad`` of the result) sums nothing itself: the sum runs as the stack's
   transpose, a jaxcoll all_reduce."""
   sizes = {a: int(mesh.shape[a]) for a in manual}
+  gradients = backward_values(closed.jaxpr)
   n, m = len(leaves), len(closed.consts)   # the constants enter as inputs: no closure
   leaves = [*leaves, *closed.consts, *nested]
   places = [*places, *input_places([*closed.consts, *nested], manual)]
 
   def body(stacked, *locals_):
     """The program on this device's pieces: ``(outputs, their specs)``."""
-    pieces = [Local(v[0] if s else v, p) for v, s, p in zip(locals_, stacked, places)]
+    pieces = [Local(v[0] if s else v, p, given=True)
+              for v, s, p in zip(locals_, stacked, places)]
     args, consts = pieces[:n], pieces[n:n + m]
     ev = Evaluator(sizes, manual, options, strict, rewrite_island,
-                   hoisted={id(c): x for c, x in zip(nested, pieces[n + m:])})
+                   hoisted={id(c): x for c, x in zip(nested, pieces[n + m:])},
+                   gradients=gradients)
     chosen: list = []
 
     def targets(outs):   # where the outputs fall (out_places where given)

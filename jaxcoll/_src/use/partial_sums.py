@@ -101,6 +101,13 @@ def reduced_apart(values: Sequence[Local], covered: Mapping) -> bool:
   return False
 
 
+def one_sum(x: Local, y: Local, covered: Mapping) -> bool:
+  """Whether the partial values ``x`` and ``y`` are one sum (``y = g.T`` of ``x = g``: every
+  term of each from the same sources), so that reducing one derives the other."""
+  sx, sy = (_sources(_ancestors(v, covered), covered) for v in (x, y))
+  return bool(sx) and sx == sy
+
+
 def derivable(x: Local, given: set, covered: Mapping) -> bool:
   """Whether ``x`` follows from the values of ``given`` (keys) and ``covered`` by its
   linear equations alone."""

@@ -102,7 +102,10 @@ class Local:
   loop carry the body only adds to (:func:`partials.accumulators`), as the body reads it:
   a sum added to it keeps it a sum, reduced once after the loop instead of once per
   iteration, and no flush of other sums reduces it. ``kept``: where the value falls as an
-  output nothing declares, where that is not whole (:meth:`spmd.Evaluator.kept`)."""
+  output nothing declares, where that is not whole (:meth:`spmd.Evaluator.kept`).
+  ``given``: an input of the program (or a constant it closes over), laid out as the caller
+  laid it out; every other value is computed in the program, where its layout is jaxcoll's
+  to choose (as jit's partitioner propagates a layout into the equations that make it)."""
 
   value: object
   place: Placement
@@ -112,6 +115,7 @@ class Local:
   slicer: object = None
   carried: bool = False
   kept: object = None
+  given: bool = False
 
   def bound_to(self, var) -> Local:
     """The same value (key, origin, slicer, carried, kept) bound to ``var``."""
@@ -122,6 +126,22 @@ class Local:
     dimension's axes begin with this value's)."""
     return not self.place.partial and not place.partial and all(
         b[:len(a)] == a for a, b in zip(self.place.dims, place.dims))
+
+
+SLICER_DEPTH = 16
+
+
+def slicer_of(piece, inputs: Sequence[Local]):
+  """``piece`` as the slicer of a value computed from ``inputs`` (:attr:`Local.slicer`), or
+  None where the chain of slicers it calls would grow longer than :data:`SLICER_DEPTH`: a
+  piece is made by calling its inputs' slicers, recursively, so a long chain of elementwise
+  equations would recurse as deep (past it, a piece is a slice of the whole value)."""
+  depth = 1 + max((getattr(x.slicer, "depth", 0) for x in inputs if x.slicer is not None),
+                  default=0)
+  if depth > SLICER_DEPTH:
+    return None
+  piece.depth = depth
+  return piece
 
 
 def explicit(mesh, axes) -> bool:

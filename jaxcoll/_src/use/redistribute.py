@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -26,8 +27,9 @@ from jaxcoll.extend import axis_index, axis_size
 
 @dataclasses.dataclass(frozen=True)
 class Comm:
-  """How the collectives run: ``options(primitive, axes, dtype, op)`` gives their keyword
-  arguments (algorithm, wire format); ``order``: the mesh's axes, outer first.
+  """How the collectives run: ``options(primitive, axes, dtype, op, size)`` gives their
+  keyword arguments (algorithm, wire format; ``size``: the values of the one operand, None
+  for a bucket, whose leaves are decided each); ``order``: the mesh's axes, outer first.
   ``abstract``: a run whose values are never computed (only their placements are read):
   each collective is the lax one of the same shapes, which costs no schedule to build."""
 
@@ -42,13 +44,21 @@ class Comm:
     return tuple(a for a in self.order if a in axes) + tuple(
         sorted(a for a in axes if a not in self.order))
 
-  def run(self, fn, primitive: str, x, axes: Axes, **kwargs):
+  def run(self, fn, primitive: str, x, axes: Axes, bucket=None, gradient: bool = True,
+          **kwargs):
+    """``fn`` (a jaxcoll collective) on ``x`` over ``axes`` with ``use``'s options; ``x`` a
+    packed ``bucket`` (:class:`buckets.Bucket`) travels on the wire decided for it; a sum
+    that is not a ``gradient`` travels exact."""
     if primitive == "all_reduce":   # a sum's axes in any order: the mesh's
       axes = self.ordered(axes)
     if self.abstract:
       return _LAX[primitive](x, axes, **kwargs)
-    return fn(x, axes, **kwargs, **self.options(primitive, axes, x.dtype,
-                                                kwargs.get("op", "sum")))
+    options = self.options(primitive, axes, x.dtype, kwargs.get("op", "sum"),
+                           None if bucket is not None else jnp.size(x), gradient)
+    if bucket is not None:
+      options.pop("wire_dtype", None)
+      options.update({} if bucket.wire is None else {"wire_dtype": bucket.wire})
+    return fn(x, axes, **kwargs, **options)
 
 
 def _lax_all_reduce(x, axes, op="sum"):
@@ -162,15 +172,17 @@ def _moved_axis(src: Placement, dst: Placement):
 
 
 def reduce_many(items: Sequence[tuple[object, Placement, Placement]], comm: Comm,
-                bucket_bytes: int = BUCKET_BYTES) -> list:
+                bucket_bytes: int = BUCKET_BYTES, gradient: Sequence[bool] | None = None) -> list:
   """Every ``(x, src, dst)`` (``src`` partial) moved to ``dst``, the sums together, in
   three passes: the reduce-scatters (:func:`_scatter`) of values whole on the scattered
   dimension, over the same axes and of one dtype, packed into buckets of one reduce-scatter
   each; then the all-reduces of what stays summed, over the same axes, through
   ``jaxcoll.sync_gradients`` (buckets per dtype); then each value's own moves (slices, a
-  gather), which send no sum."""
+  gather), which send no sum. ``gradient[i]``: whether item i is a sum autodiff's backward
+  pass made (:mod:`backward`); only those travel on a lossy wire (default: all)."""
   values = [x for x, _, _ in items]
   places = [src for _, src, _ in items]
+  gradient = [True] * len(items) if gradient is None else list(gradient)
   if comm.abstract:   # placements only: each sum alone
     return [redistribute(x, src, dst, comm) for x, src, dst in items]
   scattered: dict[tuple, list[int]] = {}
@@ -180,25 +192,27 @@ def reduce_many(items: Sequence[tuple[object, Placement, Placement]], comm: Comm
       continue
     d, axes = plan
     if src.dims[d] == ():
-      scattered.setdefault((axes, jnp.dtype(x.dtype)), []).append(i)
+      scattered.setdefault((axes, jnp.dtype(x.dtype), gradient[i]), []).append(i)
     else:
-      values[i] = comm.run(reduce_scatter, "reduce_scatter", x, axes, scatter_dimension=d,
-                           tiled=True)
+      values[i] = comm.run(reduce_scatter, "reduce_scatter", x, axes, gradient=gradient[i],
+                           scatter_dimension=d, tiled=True)
       places[i] = _scattered(src, d, axes)
-  for (axes, _), members in scattered.items():
-    for packed in assign([values[i] for i in members], bucket_bytes):   # as sync_gradients
+  for (axes, dtype, grads), members in scattered.items():
+    wire = comm.options("reduce_scatter", axes, dtype, gradient=grads).get("wire_dtype")
+    for packed in assign([_row(values[i], axes) for i in members],   # as sync_gradients
+                         bucket_bytes // axis_size(axes), wire=wire):
       bucket = [members[j] for j in packed.leaves]
       ds = [_scatter(items[i][1], items[i][2])[0] for i in bucket]
       for i, d, v in zip(bucket, ds, _scatter_together([values[i] for i in bucket], ds, axes,
-                                                       comm)):
+                                                       comm, packed)):
         values[i], places[i] = v, _scattered(places[i], d, axes)
-  summed: dict[Axes, list[int]] = {}
+  summed: dict[tuple, list[int]] = {}
   for i, (_, _, dst) in enumerate(items):
     rest = places[i].partial - dst.partial
     if rest:
-      summed.setdefault(comm.ordered(rest), []).append(i)
-  for axes, members in summed.items():
-    options = comm.options("all_reduce", axes, values[members[0]].dtype)
+      summed.setdefault((comm.ordered(rest), gradient[i]), []).append(i)
+  for (axes, grads), members in summed.items():
+    options = comm.options("all_reduce", axes, values[members[0]].dtype, gradient=grads)
     synced = sync_gradients([values[i] for i in members], axes, op="sum",
                             bucket_bytes=bucket_bytes, **options)
     for i, v in zip(members, synced):
@@ -206,23 +220,30 @@ def reduce_many(items: Sequence[tuple[object, Placement, Placement]], comm: Comm
   return [redistribute(v, p, dst, comm) for v, p, (_, _, dst) in zip(values, places, items)]
 
 
-def _scatter_together(values, dims: Sequence[int], axes: Axes, comm: Comm) -> list:
+def _row(x, axes: Axes):
+  """A sum as the piece each device of ``axes`` keeps once it is reduce-scattered (what a
+  bucket of them packs per device)."""
+  return jax.ShapeDtypeStruct((x.size // axis_size(axes),), x.dtype)
+
+
+def _scatter_together(values, dims: Sequence[int], axes: Axes, comm: Comm, bucket) -> list:
   """One reduce-scatter over ``axes`` of every value's dimension ``dims[i]``: each value with
-  that dimension first, as ``[n, -1]`` (n the devices of ``axes``), concatenated along the
+  that dimension first, as ``[n, -1]`` (n the devices of ``axes``), its row padded to its
+  slot in ``bucket`` (whole blocks of its own on a compressed wire), concatenated along the
   second dimension; this device's row is split back."""
   n = axis_size(axes)
   rows, shapes = [], []
-  for x, d in zip(values, dims):
+  for x, d, slot in zip(values, dims, bucket.slots):
     moved = jnp.moveaxis(x, d, 0)
     shapes.append((d, moved.shape))
-    rows.append(moved.reshape(n, -1))
+    row = moved.reshape(n, -1)
+    rows.append(jnp.pad(row, ((0, 0), (0, slot - row.shape[1]))))
   packed = jnp.concatenate(rows, axis=1)
-  mine = comm.run(reduce_scatter, "reduce_scatter", packed, axes, scatter_dimension=0,
-                  tiled=True)[0]
+  mine = comm.run(reduce_scatter, "reduce_scatter", packed, axes, bucket=bucket,
+                  scatter_dimension=0, tiled=True)[0]
   out, start = [], 0
-  for (d, shape), row in zip(shapes, rows):
-    width = row.shape[1]
-    local = mine[start:start + width].reshape((shape[0] // n,) + shape[1:])
+  for (d, shape), size, slot in zip(shapes, bucket.sizes, bucket.slots):
+    local = mine[start:start + size].reshape((shape[0] // n,) + shape[1:])
     out.append(jnp.moveaxis(local, 0, d))
-    start += width
+    start += slot
   return out

@@ -37,7 +37,7 @@ its shape parameters made local, and returns the outputs' pieces with their plac
 from __future__ import annotations
 
 from jaxcoll._src.per_device_rules import RULES, register_rule, unregister_rule
-from jaxcoll._src.use.rules.annotations import _identity, _to_named, laid_out_as_asked
+from jaxcoll._src.use.rules.annotations import _identity, _to_named, asked, laid_out_as_asked
 from jaxcoll._src.use.rules.contractions import _arg_reduce, _dot_general, _reduce_sum, _reduce_with
 from jaxcoll._src.use.rules.control_flow import BY_FORM, REBUILT
 from jaxcoll._src.use.rules.elementwise import (
@@ -101,5 +101,5 @@ for _name, _rule in _BUILT_IN.items():
   RULES.add(_name, _rule, built_in=True)
 
 
-__all__ = ["BY_FORM", "ELEMENTWISE", "REBUILT", "RULES", "Refused", "fallback", "keeps_partial",
-           "laid_out_as_asked", "register_rule", "unregister_rule"]
+__all__ = ["BY_FORM", "ELEMENTWISE", "REBUILT", "RULES", "Refused", "asked", "fallback",
+           "keeps_partial", "laid_out_as_asked", "register_rule", "unregister_rule"]

@@ -5,7 +5,9 @@ their inputs through, and the layout an equation asks for its outputs.
 from __future__ import annotations
 
 from jaxcoll._src import compat
-from jaxcoll._src.use.placement import Local, explicit, from_spec, replicated
+from jaxcoll._src.use.placement import Local, Placement, explicit, from_spec, replicated
+
+ANNOTATIONS = frozenset({"sharding_constraint", "reshard", "mesh_cast"})
 
 # ---- sharding annotations ----
 
@@ -16,12 +18,13 @@ def _sharding_param(eqn):
   return None
 
 
-def _to_named(ev, eqn, ins):
-  """A sharding annotation: the value moved to the placement it names (over the manual
-  axes); an annotation without one is the identity, and so is a cast into Auto axes (a
-  ``reshard``/``mesh_cast`` leaving an ``explicit_axes`` function: the type no longer
-  says where the value is, and it stays where it is)."""
-  (x,) = ins[:1]
+def asked(ev, eqn) -> Placement | None:
+  """The placement a sharding annotation moves its operand to (over the manual axes), or
+  None where it moves nothing: no sharding, or a cast into Auto axes (a ``reshard``/
+  ``mesh_cast`` leaving an ``explicit_axes`` function: the type no longer says where the
+  value is, and it stays where it is). A split that does not divide the value is whole."""
+  if eqn.primitive.name not in ANNOTATIONS:
+    return None
   sharding = _sharding_param(eqn)
   mesh = getattr(sharding, "mesh", None)
   if mesh is not None and not set(ev.manual) & set(mesh.axis_names):
@@ -32,11 +35,18 @@ def _to_named(ev, eqn, ins):
         "(run this one under jax.jit)")
   if sharding is None or (eqn.primitive.name != "sharding_constraint" and
                           not explicit(mesh, ev.manual)):
-    return [x]
-  target = from_spec(getattr(sharding, "spec", None), x.place.ndim, ev.manual)
-  if not ev.splits(eqn.invars[0].aval.shape, target):
-    target = replicated(x.place.ndim)
-  return [Local(ev.to(x, target), target)]
+    return None
+  shape = eqn.invars[0].aval.shape
+  target = from_spec(getattr(sharding, "spec", None), len(shape), ev.manual)
+  return target if ev.splits(shape, target) else replicated(len(shape))
+
+
+def _to_named(ev, eqn, ins):
+  """A sharding annotation: the value moved to the placement it names (:func:`asked`), or
+  as it is where it names none."""
+  (x,) = ins[:1]
+  target = asked(ev, eqn)
+  return [x] if target is None else [Local(ev.to(x, target), target)]
 
 
 def laid_out_as_asked(ev, eqn, outs: list) -> list:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcoll._src.collectives import all_reduce
-from jaxcoll._src.use.placement import Local, Placement
+from jaxcoll._src.use.placement import Local, Placement, slicer_of
 
 # ---- dot_general ----
 
@@ -31,6 +31,41 @@ def _move_bytes(cur, target, piece: float, n: int) -> float:
   return piece * (n - 1) if target is None else piece * (n - 1) / n
 
 
+def _one_sided(lhs: Local, rhs: Local, lc, rc, cl, cr, out_piece: float) -> list:
+  """Where only one operand is split over an axis, on a contracting dimension, and the other
+  is whole over it: the roles jit's partitioner weighs. Beside a whole operand the program
+  was given (a parameter laid out by its caller), the split operand is gathered where its
+  whole is no larger than the product (each device then holds the product whole), else the
+  contraction is split (the product a partial sum, all-reduced: the smaller of the two
+  values crosses the wire). Beside a whole operand the program computes, the contraction is
+  split: jit's partitioner propagates the split into the equations that make it, dividing
+  their work too. Empty elsewhere."""
+  for split, other, mine, theirs, whole in ((cl, cr, lc, rc, rhs), (cr, cl, rc, lc, lhs)):
+    if isinstance(split, int) and split in mine and other is None:
+      pair = (split, theirs[mine.index(split)])
+      pair = pair if split == cl else pair[::-1]
+      piece = _nbytes(lhs.value if whole is rhs else rhs.value)
+      if whole.given and piece <= out_piece:
+        return [(None, None)]
+      return [pair, (None, None)]
+  return []
+
+
+def _nbytes(value) -> float:
+  return float(np.prod(np.shape(value))) * np.dtype(value.dtype).itemsize
+
+
+def _summed_later(ev, a: str, others, out_bytes: float, involved: int) -> float:
+  """What each device receives beyond what it would anyway when a product that is a sum
+  over the axes ``others`` (m devices) stays a sum over ``a`` too (n devices): its
+  all-reduce then spans m*n devices, each receiving 2 (mn-1)/mn of its piece instead of
+  2 (m-1)/m, that is 2 (n-1)/(mn) more. The piece: ``out_bytes`` (the whole product) over
+  the ``involved`` devices that do not sum it (each axis splits the product or sums it)."""
+  m, n = ev.count(others), ev.sizes[a]
+  local = out_bytes * m * n / involved
+  return 2 * local * (n - 1) / (m * n)
+
+
 def _local_bytes(ev, var, place: Placement) -> float:
   return float(np.prod(ev.local_shape(var.aval.shape, place))) * var.aval.dtype.itemsize
 
@@ -46,9 +81,16 @@ def _dot_general(ev, eqn, ins):
   every later equation repeated on every device); then whichever moves the fewest bytes
   (:func:`_move_bytes`; a partial result priced as its all-reduce). An FSDP weight beside
   a batch-split activation, split on either of its dimensions, is thus gathered, the
-  activation left where it is. An axis neither operand uses splits the product too (a
-  batch dimension, else the left operand's rows, else the right's columns: a free slice),
-  so that its devices divide the work rather than each repeat it."""
+  activation left where it is. Two cases are weighed by size, as jit's partitioner weighs
+  them: an operand split over the axis on a contracting dimension beside one whole over it
+  is gathered where it is no larger than the product, else contracted in parts
+  (:func:`_one_sided`); an operand that is a sum over the axis beside one whole over it is
+  reduced first where keeping the product a sum would cost its later all-reduce more
+  (:func:`_summed_later`; a sum the size of a batch of activations times a small weight
+  stays a sum). An axis neither operand uses leaves the product whole over
+  it, as jit's is (splitting it would divide the work, but every reader that needs it
+  whole would then gather it); the product carries a slicer instead, so that a reader
+  split over the axis computes only its own part (:func:`_dot_piece`)."""
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   lhs, rhs = ins
   L, R = lhs.place, rhs.place
@@ -69,24 +111,32 @@ def _dot_general(ev, eqn, ins):
   def fits(dims, shape, d, n):
     return d is None or shape[d] % (ev.count(dims[d]) * n) == 0
 
+  one = L.partial and R.partial and ev.one_sum(lhs, rhs)
   for a in axes:
     n = ev.sizes[a]
     cl, cr = _where(L, a), _where(R, a)
     reduce_out = 2 * out_piece * (n - 1) / n
     best = None
-    for ld, rd in roles:
+    for ld, rd in _one_sided(lhs, rhs, lc, rc, cl, cr, out_piece) or roles:
       if not (fits(ldims, lshape, ld, n) and fits(rdims, rshape, rd, n)):
         continue
       moved = _move_bytes(cl, ld, piece_l, n) + _move_bytes(cr, rd, piece_r, n)
+      if (ld, rd) == (None, None) and cl == cr == "partial" and one:   # g @ g.T: reduced once
+        moved = _move_bytes("partial", None, max(piece_l, piece_r), n)
       kept = (ld is not None and ld == cl and ld not in lc) or \
           (rd is not None and rd == cr and rd not in rc)   # an operand's row split stays
       options = [((moved > 0, moved > 0 and not kept,
                    moved + (reduce_out if ld in lc and ld is not None else 0)), None)]
       if (ld, rd) == (None, None):   # one operand may stay a sum: so is the product
-        if cl == "partial" and cr is None:
-          options.append(((False, False, reduce_out), "l"))
-        if cr == "partial" and cl is None:
-          options.append(((False, False, reduce_out), "r"))
+        for mine, other, piece, side in ((cl, cr, piece_l, "l"), (cr, cl, piece_r, "r")):
+          if mine == "partial" and other is None:
+            extra = _summed_later(ev, a, summed | keep_l | keep_r, out_piece * involved,
+                                  involved)
+            now = _move_bytes("partial", None, piece, n)
+            if extra <= now:   # the product stays a sum, reduced later with the others
+              options.append(((False, False, extra), side))
+            else:              # the operand reduced first, as jit's partitioner reduces it
+              options = [((False, False, now), None)]
       for cost, keep in options:
         if best is None or cost < best[0]:
           best = (cost, ld, rd, keep)
@@ -98,21 +148,38 @@ def _dot_general(ev, eqn, ins):
     if ld is not None and ld in lc:
       summed.add(a)
     (keep_l if keep == "l" else keep_r if keep == "r" else set()).add(a)
-  for a in ev.manual:   # an axis neither operand uses: split the product rather than repeat it
-    if a in axes:
-      continue
-    for ld, rd in roles[:len(lb) + len(lfree) + len(rfree)]:   # batch, then rows, then columns
-      if fits(ldims, lshape, ld, ev.sizes[a]) and fits(rdims, rshape, rd, ev.sizes[a]):
-        (ldims[ld] if ld is not None else rdims[rd]).append(a)
-        if ld is not None and rd is not None:
-          rdims[rd].append(a)
-        break
   ldims, rdims = [tuple(x) for x in ldims], [tuple(x) for x in rdims]
   values = [ev.to(lhs, Placement(tuple(ldims), frozenset(keep_l))),
             ev.to(rhs, Placement(tuple(rdims), frozenset(keep_r)))]
   out_dims = [ldims[d] for d in lb] + [ldims[d] for d in lfree] + [rdims[d] for d in rfree]
-  out = ev.bind(eqn, values)
-  return [Local(out[0], Placement(tuple(out_dims), frozenset(keep_l | keep_r | summed)))]
+  out = Local(ev.bind(eqn, values)[0],
+              Placement(tuple(out_dims), frozenset(keep_l | keep_r | summed)))
+  if not out.place.partial and not L.partial and not R.partial:
+    out.slicer = slicer_of(_dot_piece(ev, eqn, (lhs, ldims, lb, lfree), (rhs, rdims, rb, rfree)),
+                           ins)
+  return [out]
+
+
+def _dot_piece(ev, eqn, left, right):
+  """A product under a finer split of its output: the product of the operands' pieces
+  (each sliced from the placement it was multiplied in, or made by its own slicer; no
+  collective), so that a product every device computes whole, as jit's does, is computed
+  only in part where its reader is split. ``left``, ``right``: each operand, the dims it
+  was multiplied in, its batch and free dimensions."""
+  (lhs, lused, lb, lfree), (rhs, rused, rb, rfree) = left, right
+
+  def piece(place: Placement):
+    ldims, rdims = list(lused), list(rused)
+    out = iter(place.dims)
+    for dl, dr in zip(lb, rb):
+      ldims[dl] = rdims[dr] = next(out)
+    for dl in lfree:
+      ldims[dl] = next(out)
+    for dr in rfree:
+      rdims[dr] = next(out)
+    return ev.bind(eqn, [ev.to(lhs, Placement(tuple(ldims))),
+                         ev.to(rhs, Placement(tuple(rdims)))])[0]
+  return piece
 
 
 # ---- reductions ----

@@ -3,11 +3,13 @@ raise (:class:`Refused`). (:mod:`jaxcoll._src.use.rules`)."""
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 
 from jaxcoll._src.interpreter import bodies
-from jaxcoll._src.use.placement import Local, Placement, replicated
+from jaxcoll._src.use.placement import Local, Placement, replicated, slicer_of
 
 
 class Refused(ValueError):
@@ -104,22 +106,52 @@ def _elementwise(ev, eqn, ins):
   """Inputs of the result's shape, or of size 1 along dimensions it broadcasts (lax's
   binary ops broadcast those), or scalars."""
   shape = eqn.outvars[0].aval.shape
-  keep = _partial_kept(eqn, ins)
   arrays = [x for x in ins if x.place.ndim == len(shape)]   # a size-1 dimension is whole
+  keep = _partial_kept(eqn, ins)
+  keep -= _reduced_first(ev, eqn, keep, ins, arrays)
   dims = _join_dims(ev, [x.place for x in arrays], shape, keep)
   values = []
   for x, v in zip(ins, eqn.invars):
-    if x.place.ndim != len(shape):     # a scalar beside arrays
-      values.append(ev.to(x, replicated(x.place.ndim)))
+    if x.place.ndim != len(shape):     # a scalar beside arrays: a sum the result keeps stays
+      values.append(ev.to(x, Placement(replicated(x.place.ndim).dims, x.place.partial & keep)))
       continue
     own = tuple(a if v.aval.shape[d] == shape[d] else () for d, a in enumerate(dims))
     joins = x.carried and not x.place.partial   # a whole carry joins its sum on one device
     values.append(ev.to(x, Placement(own, keep if joins else x.place.partial & keep)))
   out = Local(ev.bind(eqn, values)[0], Placement(dims, keep))
-  if not keep and any(x.slicer is not None for x in ins) and \
-      not any(x.place.partial for x in ins):
-    out.slicer = _elementwise_piece(ev, eqn, ins, shape)
+  if not keep:   # a sum among the inputs is whole by now: its pieces are slices of it
+    out.slicer = slicer_of(_elementwise_piece(ev, eqn, ins, shape), ins)
   return [out]
+
+
+def _reduced_first(ev, eqn, keep, ins, arrays) -> frozenset:
+  """The axes of ``keep`` over which the sum is better reduced now than kept. A sum
+  broadcast to a larger result (a scalar times an array) is reduced, as jit reduces it: kept,
+  the larger result would cross the wire later. A sum beside an input split over the axis:
+  keeping it gathers that input (its piece from every other device), reducing it sends the
+  partial inputs once (reduce-scattered to that split); a scalar sum beside a split array
+  (``x * jnp.sum(x)``) is reduced, a sum as large as the split input is kept, reduced later
+  (often after a contraction has made it smaller)."""
+  out = set()
+  size = math.prod(eqn.outvars[0].aval.shape)
+  for a in keep:
+    partial = [(x, v) for x, v in zip(ins, eqn.invars) if a in x.place.partial]
+    if all(math.prod(v.aval.shape) < size for _, v in partial):
+      out.add(a)
+      continue
+    split = [x for x in arrays if a in x.place.sharded]
+    if not split:
+      continue
+    n = ev.sizes[a]
+    gather = sum(_nbytes(x.value) for x in split) * (n - 1)
+    scatter = sum(_nbytes(x.value) for x, _ in partial) * (n - 1) / n
+    if scatter < gather:
+      out.add(a)
+  return frozenset(out)
+
+
+def _nbytes(value) -> int:
+  return int(np.prod(np.shape(value))) * np.dtype(value.dtype).itemsize
 
 
 def _elementwise_piece(ev, eqn, ins, shape):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxcoll._src.use.placement import Local, Placement, replicated
+from jaxcoll._src.use.placement import Local, Placement, replicated, slicer_of
 from jaxcoll._src.use.rules.elementwise import _join_dims, _ndim, _whole_dims
 
 # ---- shapes ----
@@ -31,7 +31,7 @@ def _broadcast_in_dim(ev, eqn, ins):
       own = tuple(target.dims[bdims[i]] if eqn.invars[0].aval.shape[i] == shape[bdims[i]]
                   else () for i in range(len(bdims)))
       return ev.bind(eqn, [ev.to(x, Placement(own))], shape=ev.local_shape(shape, target))[0]
-    local.slicer = piece
+    local.slicer = slicer_of(piece, [x])
   return [local]
 
 
