@@ -455,3 +455,37 @@ def test_errors_name_the_argument():
          x.astype(np.int32))
   with pytest.raises(ValueError, match="shard_map"):
     jaxcoll.all_reduce(jnp.zeros(3), "x")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("primitive", ["all_gather", "all_to_all", "broadcast", "shift"])
+def test_prng_key_arrays_travel_as_lax_moves_them(primitive):
+  """``jax.random.key`` arrays (a gathered key table, keys under ``vmap``) move exact, by
+  every algorithm, equal to lax's move of the same keys; a sum of keys and keys on a lossy
+  wire are TypeErrors naming x."""
+  n = 4
+  keys = jax.random.split(jax.random.key(0), n * 6).reshape(n, 2, 3)
+  lax_of = {"all_gather": lambda k: lax.all_gather(k, AXIS, axis=1, tiled=True),
+            "all_to_all": lambda k: lax.all_to_all(k, AXIS, 0, 0, tiled=True),
+            "broadcast": lambda k: jax.random.wrap_key_data(   # lax cannot stack keys
+                lax.all_gather(jax.random.key_data(k), AXIS)[1]),
+            "shift": lambda k: lax.ppermute(k, AXIS, [(i, (i + 1) % n) for i in range(n)])}
+  ours = {"all_gather": lambda k, a: jaxcoll.all_gather(k, AXIS, axis=-1, tiled=True,
+                                                          algorithm=a),
+          "all_to_all": lambda k, a: jaxcoll.all_to_all(k, AXIS, 0, 0, tiled=True,
+                                                          algorithm=a),
+          "broadcast": lambda k, a: jaxcoll.broadcast(k, AXIS, root=1, algorithm=a),
+          "shift": lambda k, a: jaxcoll.shift(k, AXIS, algorithm=a)}
+  keys = jnp.stack([jnp.concatenate([k] * n) for k in keys]) if primitive == "all_to_all" \
+      else keys
+  algorithms = jaxcoll.algorithms(primitive, num_axes=1)
+  want = per_device(lax_of[primitive], n, check_vma=False)(keys)
+  got = per_device(lambda k: {a: ours[primitive](k, a) for a in algorithms}, n,
+                   check_vma=False)(keys)
+  for a in algorithms:
+    np.testing.assert_array_equal(jax.random.key_data(got[a]), jax.random.key_data(want))
+  with pytest.raises(TypeError, match="x, a PRNG key array"):
+    per_device(lambda k: jaxcoll.all_reduce(k, AXIS), n)(keys)
+  if primitive == "all_gather":
+    with pytest.raises(TypeError, match="x, a PRNG key array .*wire_dtype='int8'"):
+      per_device(lambda k: jaxcoll.all_gather(k, AXIS, wire_dtype="int8"), n)(keys)

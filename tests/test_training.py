@@ -170,7 +170,9 @@ def test_data_parallel_trains_as_one_device_does(how):
 
 
 def test_error_feedback_state_and_bit_identical_replicas():
-  """int8 sync with error feedback: replicas bit-identical, residual = sent - Q(sent)."""
+  """int8 sync with error feedback: replicas bit-identical; residual = sent - Q(sent) for
+  the leaf the wire compresses (w1: more than 64 values), unchanged for those that travel
+  exact (b1, w2: 32 values, which on a block of their own would take more bytes)."""
   params, batch = mlp_problem(2)
   fmt = jaxcoll.WireFormat("int8")
   tx = jaxcoll.optax.sync(AXIS, wire_dtype="int8", algorithm="ring")
@@ -181,7 +183,8 @@ def test_error_feedback_state_and_bit_identical_replicas():
     local = jaxcoll.PerDevice(jax.tree.map(lambda v: v[0], state.residual.value))
     synced, new = tx.update(grads, jaxcoll.optax.SyncState(local))
     sent = jax.tree.map(jnp.add, grads, local.value)
-    want_residual = jax.tree.map(lambda c: c - fmt.round_trip(c), sent)
+    want_residual = {k: sent[k] - fmt.round_trip(sent[k]) if sent[k].size > 64
+                     else local.value[k] for k in sent}
     stack = lambda t: jax.tree.map(lambda v: v[None], t)
     return stack(synced), stack(new.residual.value), stack(want_residual)
 
@@ -190,7 +193,7 @@ def test_error_feedback_state_and_bit_identical_replicas():
       jax.tree.map(lambda v: np.random.default_rng(3).standard_normal((n, *v.shape)).astype(
           np.float32) * 1e-3, state.residual.value)))
   f = jax.jit(jax.shard_map(body, mesh=mesh(), in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)),
-                            out_specs=P(AXIS)))
+                            out_specs=P(AXIS), check_vma=False))
   synced, residual, want = f(params, stacked, *batch)
   for leaf in jax.tree.leaves(synced):
     bits = np.asarray(leaf).view(np.uint32)

@@ -187,15 +187,21 @@ def test_checkpoint_policy_is_kept():
 
 
 def test_wire_dtype_compresses_floating_collectives():
+  """A float psum of 256 values a device travels int8 (values and exponents packed as
+  bytes), an int32 one as it is; one of 8 values (8 values on a block of their own would
+  take more bytes) and a scalar's travel exact."""
   f = sharded(lambda x: lax.psum(x, "b") + lax.psum(x.astype(jnp.int32), "b"))
-  x = inputs(4) * 10
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((8, 256)), jnp.float32) * 10
   g = jaxcoll.use(f, algorithm="ring", wire_dtype="int8")
   got, want = jax.jit(g)(x), jax.jit(f)(x)
   err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
   assert 0 < err < 0.05
   jaxpr = jax.make_jaxpr(g)(x)
   dtypes = {str(e.invars[0].aval.dtype) for e in eqns(jaxpr) if e.primitive.name == "ppermute"}
-  assert "uint8" in dtypes and "int32" in dtypes   # int8 values and exponents packed as bytes
+  assert "uint8" in dtypes and "int32" in dtypes
+  small = sharded(lambda x: lax.psum(x, "b") + lax.psum(jnp.sum(x), "b"))
+  np.testing.assert_allclose(jax.jit(jaxcoll.use(small, algorithm="ring", wire_dtype="int8"))(
+      inputs(4)), jax.jit(small)(inputs(4)), rtol=1e-6)
 
 
 @pytest.mark.parametrize("perm,n,want", [

@@ -44,7 +44,10 @@ def _mesh(shape, names, explicit=True):
 
 
 def _shards(x) -> list:
-  """An array's data: per device where it is unreduced (a sum not taken), else whole."""
+  """An array's data: per device where it is unreduced (a sum not taken), else whole (a
+  PRNG key array's: its key data)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
   if getattr(x, "sharding", None) is not None and getattr(x.sharding, "spec", P()).unreduced:
     return [np.asarray(s.data) for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
   return [np.asarray(x)]
@@ -459,6 +462,151 @@ def explicit_more(name):
   }[name]
 
 
+def jax_tests(name):
+  """Programs of JAX's own tests (``tests/shard_map_test.py``, ``tests/pjit_test.py`` in
+  jax-ml/jax; the test each comes from beside it), copied but for the harness: typed
+  unreduced and reduced inputs to a shard_map, PRNG key arrays through layout changes,
+  meshes of other axis types, arrays committed to devices a program does not span."""
+  auto = lambda shape, names, devices=None: jax.make_mesh(   # noqa: E731
+      shape, names, axis_types=(AxisType.Auto,) * len(shape), devices=devices)
+  x2 = _mesh((2,), ("x",))
+  on_x2 = lambda: jax.set_mesh(x2)   # noqa: E731
+
+  def on(mesh, make):   # arguments made under the mesh (Explicit types)
+    def args():
+      with jax.set_mesh(mesh):
+        return make()
+    return args
+
+  # shard_map_test.py test_eager_unreduced_in / test_eager_reduced_in
+  unreduced_in = jax.shard_map(lambda x: jax.lax.psum_scatter(x, "x", tiled=True),
+                               out_specs=P("x"))
+  reduced_in = jax.shard_map(lambda x: jax.lax.pcast(x, "x", to="varying"), out_specs=P("x"))
+  unreduced_args = on(x2, lambda: (jax.reshard(jnp.arange(8.), P(unreduced={"x"})),))
+  reduced_args = on(x2, lambda: (jax.device_put(np.arange(8.), P(reduced={"x"})),))
+
+  def scan_with_random_key_inside_jit(xs):   # pjit_test.py, same name
+    def step(carry, x):
+      next_carry = jax.vmap(jax.random.fold_in)(carry, x)
+      next_carry = jnp.where(x % 2 == 0, carry, next_carry)
+      return next_carry, None
+    rng = jnp.broadcast_to(jax.random.key(0), xs.shape[1:])
+    rng, _ = jax.lax.scan(step, rng, xs)
+    return rng
+
+  keys8 = jax.random.split(jax.random.key(0), 8)
+  i4j2 = auto((4, 2), ("i", "j"))
+  x2y2 = _mesh((2, 2), ("x", "y"))
+  x2y2_auto = auto((2, 2), ("x", "y"))
+
+  def full_user_to_full_auto(x):   # pjit_test.py, same name
+    y = x * 2
+    with jax.sharding.use_abstract_mesh(x2y2.abstract_mesh.update_axis_types(
+        {"x": AxisType.Auto, "y": AxisType.Auto})):
+      y = jax.sharding.reshard(y, P(None, None))
+      z = jnp.sin(y)
+      a = z @ z.T
+    return jax.sharding.reshard(a, P("x", None))
+
+  def full_auto_to_full_user(x):   # pjit_test.py, same name
+    y = x * 2
+    with jax.sharding.use_abstract_mesh(x2y2_auto.abstract_mesh.update_axis_types(
+        {"x": AxisType.Explicit, "y": AxisType.Explicit})):
+      y = jax.sharding.reshard(y, P(None, "y"))
+      z = jnp.sin(y)
+    return jax.sharding.reshard(z, P(None, None))
+
+  x2y4 = _mesh((2, 4), ("x", "y"))
+  with jax.set_mesh(x2y4):
+    y_split = jax.device_put(jnp.arange(8.), P("y"))
+
+  def closes_over_an_explicit_value(a):   # jit: reduce_sum under a Manual+Explicit mesh
+    return jax.shard_map(lambda a: a * y_split.sum(), mesh=x2y4, in_specs=P("x"),
+                         out_specs=P("x"), axis_names={"x"})(a)
+
+  rows8 = auto((8,), ("x",))
+  on_devices_2_3 = auto((2,), ("x",), devices=jax.devices()[2:4])
+  first4 = auto((4,), ("x",), devices=jax.devices()[:4])
+  batch = jax.sharding.Mesh(jax.devices(), axis_names=["batch"])
+  committed = lambda i: jax.device_put(np.array([1, 2, 3]), jax.devices()[i])  # noqa: E731
+  return {
+      "eager_unreduced_in": (unreduced_in, unreduced_args, on_x2),
+      "eager_unreduced_in_grad": (jax.grad(lambda x: unreduced_in(x).sum()), unreduced_args,
+                                  on_x2),
+      "eager_reduced_in": (reduced_in, reduced_args, on_x2),
+      "eager_reduced_in_grad": (jax.grad(lambda x: reduced_in(x).sum()), reduced_args, on_x2),
+      # shard_map_test.py test_random_normal_rules, test_partial_auto_of_random_keys
+      "random_normal_rules": (
+          jax.shard_map(lambda k: jax.random.normal(k[0], (1,)), mesh=auto((4,), ("i",)),
+                        in_specs=P("i"), out_specs=P("i")),
+          lambda: (jax.random.split(jax.random.key(0), 4),)),
+      "partial_auto_of_random_keys": (
+          jax.jit(lambda x: jax.shard_map(lambda k: k, mesh=i4j2, in_specs=P("i"),
+                                          out_specs=P("i"), check_vma=False,
+                                          axis_names=frozenset({"i"}))(keys8)),
+          lambda: (keys8,)),
+      # pjit_test.py test_prng_key_wsc, test_where_with_prng_sharded_inp
+      "prng_key_wsc": (jax.jit(lambda x: jax.lax.with_sharding_constraint(
+          x, NamedSharding(auto((2,), ("x",)), P())).T), lambda: (jax.random.key(0),)),
+      "where_with_prng_sharded_inp": (
+          jax.jit(lambda c, x, y: jnp.where(c, x, y)),
+          lambda: (jax.device_put(jnp.zeros([32, 1], dtype=jnp.bool),
+                                  NamedSharding(batch, P("batch"))),
+                   *[jax.device_put(jnp.broadcast_to(jax.random.key(i), [32, 32]),
+                                    NamedSharding(batch, P("batch"))) for i in (0, 1)])),
+      "scan_with_random_key_inside_jit": (
+          jax.jit(scan_with_random_key_inside_jit),
+          lambda: (jax.device_put(jnp.arange(8).reshape(2, 4),
+                                  NamedSharding(auto((2,), ("x",)), P(None, "x"))),)),
+      "switch_under_vmap_with_keys": (   # keys gathered and split under vmap
+          jax.jit(jax.vmap(lambda i, k: jax.lax.switch(
+              i, [lambda k: jax.random.normal(k, ()), lambda k: jax.random.uniform(k, ())],
+              k))),
+          lambda: (jax.device_put(jnp.arange(16) % 2, NamedSharding(rows8, P("x"))),
+                   jax.device_put(jax.random.split(jax.random.key(0), 16),
+                                  NamedSharding(rows8, P("x"))))),
+      "full_user_to_full_auto": (jax.jit(full_user_to_full_auto), on(x2y2, lambda: (
+          jax.device_put(np.arange(16.).reshape(8, 2), P("x", "y")),)),
+          lambda: jax.set_mesh(x2y2)),
+      "full_auto_to_full_user": (jax.jit(full_auto_to_full_user), lambda: (
+          jax.device_put(np.arange(16.).reshape(8, 2), NamedSharding(x2y2_auto, P("x", "y"))),),
+          lambda: jax.set_mesh(x2y2_auto)),
+      "closes_over_an_explicit_value_refused": (
+          jax.jit(closes_over_an_explicit_value),
+          on(x2y4, lambda: (jax.device_put(jnp.arange(16.).reshape(4, 4), P("x", "y")),)),
+          lambda: jax.set_mesh(x2y4)),
+      # pjit_test.py test_pjit_committed_array_different_devices(_variadic_args)
+      "committed_array_different_devices_refused": (
+          jax.jit(lambda x, y: (x, y)), lambda: (committed(0), committed(1))),
+      "committed_array_different_devices_variadic_args_refused": (
+          jax.jit(lambda *x: x), lambda: (committed(0), committed(1))),
+      "arrays_on_two_meshes_refused": (jax.jit(lambda a, b: a + b), lambda: (
+          jax.device_put(jnp.arange(8.), NamedSharding(on_devices_2_3, P("x"))),
+          jax.device_put(jnp.arange(8.), NamedSharding(rows8, P("x"))))),
+      # pjit_test.py test_pjit_uncommitted_array_reshard, ..._and_committed_array
+      "uncommitted_array_reshard": (
+          jax.jit(lambda x: x * 2, in_shardings=NamedSharding(rows8, P("x"))),
+          lambda: (jnp.arange(16.).reshape(8, 2),)),
+      "uncommitted_and_committed_array": (
+          jax.jit(lambda a, b: (a * 2, b @ b.T)),
+          lambda: (jnp.arange(16.).reshape(8, 2),
+                   jax.device_put(jnp.arange(16.).reshape(8, 2),
+                                  NamedSharding(auto((4, 2), ("x", "y")), P("x", "y"))))),
+      "committed_to_a_device_subset": (
+          jax.jit(lambda x: (x * 2, x.sum(0))),
+          lambda: (jax.device_put(jnp.arange(16.).reshape(8, 2),
+                                  NamedSharding(on_devices_2_3, P("x"))),)),
+      "out_shardings_on_a_device_subset": (
+          jax.jit(lambda x: x * 2, out_shardings=NamedSharding(first4, P("x"))),
+          lambda: (jax.device_put(jnp.arange(8.), NamedSharding(first4, P())),)),
+      "one_device_array": (jax.jit(lambda x: x @ x.T),
+                           lambda: (jax.device_put(jnp.ones((4, 4)), jax.devices()[3]),)),
+      "constants_beside_a_split_value": (
+          jax.jit(lambda x: (jnp.zeros(8), x + 1, jnp.arange(4) * 2)),
+          lambda: (jax.device_put(jnp.arange(16.), NamedSharding(rows8, P("x"))),)),
+  }[name]
+
+
 CASES = {
     **{f"jit/{n}": (jit_arguments, n) for n in (
         "python_int", "python_float", "numpy_scalar", "python_float_learning_rate",
@@ -479,6 +627,17 @@ CASES = {
         "reshape_out_sharding", "closed_over_table_gather", "gather_out_sharding",
         "scatter_out_sharding",
         "shard_map_over_some_axes", "add_of_reduced_and_unreduced_refused")},
+    **{f"jax_tests/{n}": (jax_tests, n) for n in (
+        "eager_unreduced_in", "eager_unreduced_in_grad", "eager_reduced_in",
+        "eager_reduced_in_grad", "random_normal_rules", "partial_auto_of_random_keys",
+        "prng_key_wsc", "where_with_prng_sharded_inp", "scan_with_random_key_inside_jit",
+        "switch_under_vmap_with_keys", "full_user_to_full_auto", "full_auto_to_full_user",
+        "closes_over_an_explicit_value_refused", "committed_array_different_devices_refused",
+        "committed_array_different_devices_variadic_args_refused",
+        "arrays_on_two_meshes_refused", "uncommitted_array_reshard",
+        "uncommitted_and_committed_array", "committed_to_a_device_subset",
+        "out_shardings_on_a_device_subset", "one_device_array",
+        "constants_beside_a_split_value")},
     **{f"jit_compilation/{n}": (jit_compilation, n) for n in (
         "selu", "selu_unsharded", "value_condition_refused", "loop_on_value_refused",
         "static_argnums", "static_argnames", "static_argnames_sharded")},

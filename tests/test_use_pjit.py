@@ -294,6 +294,39 @@ def test_the_report_names_the_users_frame_beside_the_librarys():
   assert "test_use_pjit.py" in line.where and ".step) via optax/" in line.where, line
 
 
+# A user's script, written into a folder of the test's choosing: an Adam step's report.
+_SCRIPT = """
+import jax, jax.numpy as jnp, optax, jaxcoll
+
+def report(w, x):
+  tx = optax.adam(1e-2)
+
+  def step(w, state, x):
+    grad = jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+    updates, state = tx.update(grad, state, w)
+    return optax.apply_updates(w, updates), state
+
+  return jaxcoll.explain_step(jaxcoll.use(step, algorithm="ring"), w, tx.init(w), x)
+"""
+
+
+@pytest.mark.parametrize("folder", ["optax", "jaxcoll", "flax"])
+def test_a_library_is_known_by_where_it_is_installed_not_by_a_folders_name(tmp_path, folder):
+  """A script in a folder named like a library (``~/optax/train.py``; a clone of jaxcoll
+  into ``jaxcoll/``) is the user's: the report names its line, with optax's beside it."""
+  import runpy
+  script = tmp_path / folder / "tests" / "train.py"
+  script.parent.mkdir(parents=True)
+  script.write_text(_SCRIPT)
+  mesh = make_mesh((8,), ("data",))
+  w = put(jnp.ones((8, 4)), mesh, P())
+  x = put(jnp.ones((64, 8)), mesh, P("data"))
+  with jax.set_mesh(mesh):
+    report = runpy.run_path(str(script))["report"](w, x)
+  (line,) = [x for x in report.collectives if x.what == "all_reduce"]
+  assert line.where.startswith(f"{script}:") and ".step) via optax/" in line.where, line
+
+
 @pytest.mark.quick
 def test_a_sum_made_whole_for_an_output_names_the_line_that_made_it():
   mesh = make_mesh((8,), ("data",))

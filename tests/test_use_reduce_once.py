@@ -285,12 +285,14 @@ def test_a_lossy_wire_never_rounds_a_max(wire):
 @pytest.mark.parametrize("where", ["global", "shard_map"])
 def test_a_lossy_wire_refuses_a_float64_value_by_name(where):
   """A float64 value has no float32 home beyond float32's range (1e300 would arrive inf):
-  under a compressed wire its sum is an error naming the equation's source line, raised
-  when the step is traced; without one it sums as jit does."""
+  under a compressed wire its sum (a gradient's, of 128 values: one the wire would round)
+  is an error naming the equation's source line, raised when the step is traced; without
+  one it sums as jit does."""
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
   with jax.enable_x64(True):
-    x = jax.device_put(jnp.full((64, 4), 1e300, jnp.float64), NamedSharding(mesh, P("data")))
-    fn = (lambda x: x.sum(0)) if where == "global" else jax.shard_map(
+    x = jax.device_put(jnp.full((64, 128), 1e300, jnp.float64), NamedSharding(mesh, P("data")))
+    fn = (lambda x: jax.grad(lambda w: jnp.sum(x * w))(jnp.ones(128))) \
+        if where == "global" else jax.shard_map(
         lambda x: jax.lax.psum(x.sum(0), "data"), mesh=mesh, in_specs=P("data"), out_specs=P())
     with jax.set_mesh(mesh):
       with pytest.raises(ValueError, match=r"float64 value .* at .*test_use_reduce_once\.py"):

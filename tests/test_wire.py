@@ -295,7 +295,7 @@ def test_non_finite_values_come_out_where_lax_puts_them(primitive, name, n):
     assert np.all(err <= bound), (algorithm, err.max())
 
 
-@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+@pytest.mark.parametrize("op", ["sum", "mean"])
 def test_gradients_are_those_of_the_uncompressed_collective(op):
   n = 4
   x = jnp.asarray(np.random.default_rng(4).standard_normal((n, 2 * B)), jnp.float32)
@@ -308,6 +308,25 @@ def test_gradients_are_those_of_the_uncompressed_collective(op):
   want = jax.jit(jax.grad(loss), static_argnums=1)(x, None)
   got = jax.jit(jax.grad(loss), static_argnums=1)(x, "int8")
   np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("wire", jaxcoll.WIRE_DTYPES)
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_a_max_or_a_min_on_a_lossy_wire_is_an_error_naming_both(op, wire):
+  """A max selects one device's value; a rounded one matches none (int8 gave 69.0 for
+  lax.pmax's 69.132). Every path refuses it rather than round it: all_reduce (every
+  schedule and auto), reduce_scatter, sync_gradients."""
+  n = 4
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((n, 2 * B)) * 40, jnp.float32)
+  calls = [lambda v, a=a: jaxcoll.all_reduce(v, "x", op=op, algorithm=a, wire_dtype=wire)
+           for a in ("auto", *jaxcoll.algorithms("all_reduce", num_axes=1))
+           if a not in ("native", "schedule")]
+  calls.append(lambda v: jaxcoll.reduce_scatter(v, "x", op=op, tiled=True, algorithm="ring",
+                                                wire_dtype=wire))
+  calls.append(lambda v: jaxcoll.sync_gradients({"g": v}, "x", op=op, wire_dtype=wire))
+  for call in calls:
+    with pytest.raises(ValueError, match=rf"wire_dtype=.*{wire}.*op='{op}'.*exact"):
+      per_device(call, n, check_vma=False)(x)
 
 
 def test_gradients_of_compressed_reduce_scatter_and_all_gather():

@@ -40,6 +40,9 @@ _NATIVE_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin, "mean": lax
 def _prepare(x, op: str | None):
   """The leaf as an array in the dtype the collective computes in (bool sums count as int32)."""
   x = jnp.asarray(x)
+  if op is not None and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    raise TypeError(f"op={op!r} on x, a PRNG key array ({x.dtype}): keys are not numbers "
+                    "to reduce; they are gathered, scattered and permuted")
   if op is not None:
     ops.check_op(op, x.dtype)
     if x.dtype == bool and op in ("sum", "mean"):
@@ -96,20 +99,25 @@ def _resolve(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None,
   return algo, options
 
 
-def _wire(wire_dtype, dtype, wire_block_size, accumulate):
+def _wire(wire_dtype, dtype, wire_block_size, accumulate, op=None):
   fmt = wire_lib.wire_format(wire_dtype, dtype, wire_block_size)
   if fmt is not None and accumulate is not None and np.dtype(accumulate) != np.float32:
     raise ValueError(f"wire_dtype={fmt.name!r} accumulates in float32; "
                      f"accumulate_dtype={np.dtype(accumulate).name} conflicts with it")
+  if fmt is not None and op in ("max", "min"):
+    raise ValueError(f"wire_dtype={fmt.name!r} with op={op!r}: a {op} selects one device's "
+                     "value, and a rounded one matches none (nor what lax.p" + op + " gives); "
+                     "a max or a min travels exact: pass wire_dtype=None")
   return fmt
 
 
-def _leaf_call(facts, x, n: int, accumulate_dtype, wire_dtype, wire_block_size):
+def _leaf_call(facts, x, n: int, accumulate_dtype, wire_dtype, wire_block_size, op=None):
   """``(accumulate dtype, wire format, M)`` of a call on leaf ``x`` (an array or its
   ``ShapeDtypeStruct``) over ``n`` devices: what auto prices it by, read once for the call
-  (:func:`_collective`) and for :func:`algorithm_of` alike."""
+  (:func:`_collective`) and for :func:`algorithm_of` alike. A lossy wire on a max or a min
+  is an error (:func:`_wire`)."""
   acc = checks.accumulate(accumulate_dtype, x.dtype) if facts.reduces else None
-  fmt = _wire(wire_dtype, x.dtype, wire_block_size, acc) if facts.wire else None
+  fmt = _wire(wire_dtype, x.dtype, wire_block_size, acc, op) if facts.wire else None
   nbytes = math.prod(x.shape) * np.dtype(x.dtype).itemsize
   return acc, fmt, facts.message_bytes(nbytes, n)
 
@@ -211,7 +219,8 @@ def _collective(primitive: str, x, axis_name, algorithm, *, native, finish, op=N
   def leaf(x, key):
     if check is not None:
       check(x)
-    acc, fmt, nbytes = _leaf_call(facts, x, n, accumulate_dtype, wire_dtype, wire_block_size)
+    acc, fmt, nbytes = _leaf_call(facts, x, n, accumulate_dtype, wire_dtype, wire_block_size,
+                                  op)
     if x.size == 0:   # nothing to send: lax's (empty) answer whatever the algorithm
       return native(x)
     algo, chosen = _resolve(primitive, algorithm, axes, x, nbytes, accumulate=acc, wire=fmt,
@@ -231,7 +240,25 @@ def _collective(primitive: str, x, axis_name, algorithm, *, native, finish, op=N
       return finish(rows, sched, x, moved, None if key is None else final)
     return _straight_through(run, x, fmt, key, linear=op in (None, "sum", "mean"))
 
-  return _map_leaves(leaf, x, keys)
+  return _map_leaves(_keys_as_data(leaf, primitive, wire_dtype), x, keys)
+
+
+def _keys_as_data(leaf, primitive: str, wire_dtype):
+  """``leaf(x, key)``, where ``x`` is a PRNG key array (``jax.random.key``) moved as its key
+  data, one uint32 component at a time: each component has the keys' shape, so every axis
+  argument means what it means for the keys. Keys on a lossy wire are a TypeError (a
+  reduction of keys is refused by :func:`_prepare`)."""
+  def run(x, key):
+    if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return leaf(x, key)
+    if wire_dtype is not None:
+      raise TypeError(f"{primitive} of x, a PRNG key array ({x.dtype}), with wire_dtype="
+                      f"{wire_dtype!r}: keys travel exact; leave wire_dtype out")
+    data = jax.random.key_data(x)
+    parts = [leaf(data[(..., *i)], None) for i in np.ndindex(data.shape[x.ndim:])]
+    moved = jnp.stack(parts, -1).reshape(parts[0].shape + data.shape[x.ndim:])
+    return jax.random.wrap_key_data(moved, impl=jax.random.key_impl(x))
+  return run
 
 
 def algorithm_of(primitive: str, x, axis_name, *, algorithm="auto", op: str | None = None,
@@ -258,7 +285,7 @@ def algorithm_of(primitive: str, x, axis_name, *, algorithm="auto", op: str | No
   x = jax.ShapeDtypeStruct(np.shape(x), jnp.int32 if x.dtype == bool and op in ("sum", "mean")
                            else x.dtype)
   acc, fmt, nbytes = _leaf_call(facts, x, axes_lib.size(axes), accumulate_dtype, wire_dtype,
-                                wire_lib.DEFAULT_BLOCK_SIZE)
+                                wire_lib.DEFAULT_BLOCK_SIZE, op)
   checks.choice(rounding, rounding_lib.ROUNDINGS, "rounding")
   stochastic = facts.reduces and rounding_lib.rounds_stochastically(rounding == "stochastic",
                                                                     x.dtype)
@@ -310,8 +337,9 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
   Raises:
     ValueError: at trace time, naming the argument: an axis no enclosing shard_map binds, an
       algorithm that does not run all_reduce over these axes, an ``op`` the dtype does not
-      take, a ``wire_dtype`` that is not a wire format or that ``algorithm="native"`` cannot
-      send, an ``accumulate_dtype`` narrower than x's, a ``rounding`` other than the two,
+      take, a ``wire_dtype`` that is not a wire format, that ``algorithm="native"`` cannot
+      send or with op "max"/"min" (a max or a min travels exact), an ``accumulate_dtype``
+      narrower than x's, a ``rounding`` other than the two,
       "stochastic" without a key, with op "max"/"min" or on data without a
       bfloat16/float16 leaf, a key with "nearest".
     TypeError: an argument of the wrong kind (e.g. an algorithm that is neither a name nor
@@ -374,8 +402,8 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
   Raises:
     ValueError: at trace time, naming the argument: an axis no enclosing shard_map binds, an
       algorithm that does not run reduce_scatter over these axes, a ``scatter_dimension`` out
-      of range or not split evenly, an ``op`` the dtype does not take, a bad ``rounding`` or
-      ``key`` (as :func:`all_reduce`).
+      of range or not split evenly, an ``op`` the dtype does not take, a ``wire_dtype`` with
+      op "max"/"min", a bad ``rounding`` or ``key`` (as :func:`all_reduce`).
     TypeError: an argument of the wrong kind (e.g. an algorithm that is neither a name nor
       an algorithm value).
 

@@ -16,6 +16,7 @@ that moves one fails there first, loudly, instead of somewhere deep in a collect
   :mod:`topology`; ``jax._src.distributed.global_state.client`` on both versions.
 - ``custom_jvp_rule``: the jaxpr of a ``custom_jvp_call``'s rule (``jvp_jaxpr_fun``), for
   ``jaxcoll.use`` to run the user's rule through its own evaluator.
+- ``in_backward``: whether autodiff's transpose made an equation (its name stack).
 - ``source_line``, ``equation_config``: where an equation came from
   (``jax._src.source_info_util.summarize``) and the threefry mode it was traced under
   (``eqn.ctx``), for ``jaxcoll.use`` running a global program per device.
@@ -67,7 +68,10 @@ permutation in mesh order whatever the tuple's order).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import itertools
+import os
 import re
 
 import jax
@@ -215,6 +219,13 @@ def custom_jvp_rule(params) -> tuple[object, list, list[bool]]:
 LIBRARIES = ("optax", "flax", "chex", "jaxcoll")   # frames a report looks past
 
 
+def in_backward(eqn) -> bool:
+  """Whether JAX's autodiff made ``eqn`` by transposing (``jax.grad``, ``jax.vjp``): its name
+  stack, relative to the jaxpr it is in, reads ``transpose(...)`` (``eqn.source_info.
+  name_stack``, the names jax's profiler shows; the same on both versions)."""
+  return "transpose" in str(eqn.source_info.name_stack)
+
+
 def source_line(eqn) -> str:
   """Where the user's code made ``eqn``, for reports and errors: the innermost frame outside
   jax (``file:line:col (function)``); where that frame is a library's (optax, flax, chex,
@@ -236,19 +247,34 @@ def source_line(eqn) -> str:
 
 
 def _library(path: str) -> str | None:
-  """The library of :data:`LIBRARIES` whose package holds ``path`` (None: the user's)."""
-  parts = path.replace("\\", "/").split("/")
-  for i in range(len(parts) - 1, -1, -1):
-    if parts[i] in LIBRARIES and i + 1 < len(parts):
-      return parts[i]
-  return None
+  """The folder of the installed library of :data:`LIBRARIES` that holds ``path`` (None:
+  the user's). Known by where the package is installed, never by a folder's name: a script
+  in ``~/optax/`` or a clone of jaxcoll into ``jaxcoll/`` is the user's."""
+  path = os.path.realpath(path)
+  return next((root for root in _library_roots()
+               if os.path.commonpath((path, root)) == root), None)
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+  """The package folders of the installed libraries of :data:`LIBRARIES`
+  (``importlib.util.find_spec``; none is imported here)."""
+  roots = []
+  for name in LIBRARIES:
+    try:
+      spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+      continue
+    roots += [os.path.realpath(f) for f in (spec and spec.submodule_search_locations) or ()]
+  return tuple(roots)
 
 
 def _frame(frame, library: str | None = None) -> str:
-  """``file:line:col (function)``; a library's file from its package's root."""
+  """``file:line:col (function)``; a library's file (``library``: its package's folder)
+  from that folder's name (``optax/tree_utils/_tree_math.py``)."""
   path = frame.file_name
   if library is not None:
-    path = path[path.replace("\\", "/").rfind(f"/{library}/") + 1:]
+    path = os.path.relpath(os.path.realpath(path), os.path.dirname(library))
   return f"{path}:{frame.start_line}:{frame.start_column} ({frame.function_name})"
 
 

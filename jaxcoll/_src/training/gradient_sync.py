@@ -33,7 +33,6 @@ from jaxcoll.extend import (
   check_op,
   check_rounding,
   check_vma_enabled,
-  compresses,
   low_precision,
   make_varying,
   normalize_axes,
@@ -74,6 +73,10 @@ def check_options(op: str, bucket_bytes, first_bucket_bytes, algorithm, wire_dty
   must be bfloat16/float16 for stochastic rounding), None where not known yet."""
   key = check_rounding(rounding, key, op=op, dtypes=dtypes)
   check_op(op, np.float32)
+  if wire_dtype is not None and op in ("max", "min"):
+    raise ValueError(f"wire_dtype={wire_dtype!r} with op={op!r}: a {op} selects one device's "
+                     "value, and a rounded one matches none; a max or a min travels exact: "
+                     "pass wire_dtype=None")
   check_int(bucket_bytes, "bucket_bytes", least=1)
   check_int(first_bucket_bytes, "first_bucket_bytes", least=1)
   check_algorithm("all_reduce", algorithm)
@@ -82,7 +85,7 @@ def check_options(op: str, bucket_bytes, first_bucket_bytes, algorithm, wire_dty
   return key
 
 
-def _reduce_bucket(bucket: buckets.Bucket, leaves, out, axis_name, op, algorithm, wire_dtype,
+def _reduce_bucket(bucket: buckets.Bucket, leaves, out, axis_name, op, algorithm,
                    accumulate_dtype, key=None, previous=None):
   """One all_reduce of the bucket's leaves packed in one buffer; where that all_reduce is
   the lax collective, the job is one process and the leaves are large (at least
@@ -92,6 +95,8 @@ def _reduce_bucket(bucket: buckets.Bucket, leaves, out, axis_name, op, algorithm
   unpacked, 40 ms packed). Across processes the packed buffer stays: gloo runs a combined
   all-reduce one operand at a time (200 operands: 1.09 s against 61 ms for one bucket).
   ``key``: a bfloat16/float16 bucket rounds stochastically with it (others to nearest).
+  The bucket travels on its own wire (``bucket.wire``: :func:`buckets.assign` put only
+  leaves a compressed wire gains on in a compressed bucket).
 
   A bucket whose all_reduce is the lax collective starts after ``previous`` (the values the
   bucket before it returned, if that was the lax collective too), as DDP's buckets do: XLA
@@ -102,7 +107,7 @@ def _reduce_bucket(bucket: buckets.Bucket, leaves, out, axis_name, op, algorithm
   where they came from the lax collective, else None."""
   floating = jnp.issubdtype(bucket.dtype, jnp.floating)
   options = dict(op=op, accumulate_dtype=accumulate_dtype if floating else None,
-                 wire_dtype=wire_dtype if compresses(wire_dtype, bucket.dtype) else None)
+                 wire_dtype=bucket.wire)
   if key is not None and low_precision(bucket.dtype):
     options.update(rounding="stochastic", key=key)
   packed = jax.ShapeDtypeStruct((sum(bucket.sizes),), bucket.dtype)
@@ -149,8 +154,10 @@ def sync_gradients(grads, axis_name, *, op: str = "mean", bucket_bytes: int = BU
       are allowed too.
     bucket_bytes, first_bucket_bytes: bucket sizes (DDP: 25 MiB and 1 MiB).
     algorithm: the all_reduce algorithm (``jaxcoll.algorithms("all_reduce")`` or "auto").
-    wire_dtype: compress floating buckets on the wire (``jaxcoll.WIRE_DTYPES``); integer
-      buckets travel as they are.
+    wire_dtype: compress floating buckets on the wire (``jaxcoll.WIRE_DTYPES``): each leaf
+      on blocks of its own, so that a block's scale follows one leaf; a single value (a
+      loss) and a leaf too small to gain from it (int8, blocks of 256: up to 64 values)
+      travel uncompressed, as do integers. A max or a min is never compressed: an error.
     accumulate_dtype: e.g. "float32" for bfloat16 gradients (Megatron's
       ``grad_reduce_in_fp32``); applies to floating buckets.
     rounding, key: "stochastic" with a ``jax.random`` key (the same on every device, a new
@@ -163,8 +170,9 @@ def sync_gradients(grads, axis_name, *, op: str = "mean", bucket_bytes: int = BU
 
   Raises:
     ValueError: a bad option (each named; "stochastic" without a key or without a
-      bfloat16/float16 leaf), a leaf already invariant inside ``shard_map(check_vma=True)``
-      (jax summed it already), a non-array leaf.
+      bfloat16/float16 leaf; a ``wire_dtype`` with op "max"/"min"), a leaf already
+      invariant inside ``shard_map(check_vma=True)`` (jax summed it already), a non-array
+      leaf.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
@@ -180,9 +188,9 @@ def sync_gradients(grads, axis_name, *, op: str = "mean", bucket_bytes: int = BU
   key = check_options(op, bucket_bytes, first_bucket_bytes, algorithm, wire_dtype,
                       accumulate_dtype, rounding, key, [x.dtype for x in leaves])
   out, previous = list(leaves), None
-  for i, bucket in enumerate(buckets.assign(leaves, bucket_bytes, first_bucket_bytes)):
-    previous = _reduce_bucket(bucket, leaves, out, axis_name, op, algorithm, wire_dtype,
-                              accumulate_dtype,
+  wire = wire_format(wire_dtype, np.float32)
+  for i, bucket in enumerate(buckets.assign(leaves, bucket_bytes, first_bucket_bytes, wire)):
+    previous = _reduce_bucket(bucket, leaves, out, axis_name, op, algorithm, accumulate_dtype,
                               None if key is None else jax.random.fold_in(key, i), previous)
   return jax.tree.unflatten(jax.tree.structure(grads), out)
 
@@ -238,7 +246,9 @@ def sync_in_backward(params, axis_name, *, op: str = "mean", bucket_bytes: int =
   # only inexact leaves have cotangents (integers get float0 ones, nothing to sync)
   inexact = [x if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.zeros((0,), x.dtype)
              for x in leaves]
-  for number, bucket in enumerate(buckets.assign(inexact, bucket_bytes, first_bucket_bytes)):
+  wire = wire_format(wire_dtype, np.float32)
+  for number, bucket in enumerate(buckets.assign(inexact, bucket_bytes, first_bucket_bytes,
+                                                 wire)):
     if not jnp.issubdtype(bucket.dtype, jnp.inexact):
       continue
     members = tuple(leaves[i] for i in bucket.leaves)
@@ -267,9 +277,10 @@ def _synced_identity_bwd(axis_name, options, varying, key, cts):
   cts = list(cts)
   out = list(cts)
   opts = dict(options)
-  bucket = buckets.assign(cts, bucket_bytes=2**62)[0]   # the one bucket these leaves form
+  wire = wire_format(opts["wire_dtype"], np.float32)
+  (bucket,) = buckets.assign(cts, 2**62, wire=wire)   # the one bucket these leaves form
   _reduce_bucket(bucket, cts, out, axis_name, opts["op"], opts["algorithm"],
-                 opts["wire_dtype"], opts["accumulate_dtype"], key)
+                 opts["accumulate_dtype"], key)
   return (tuple(make_varying(o, axes) if v else o for o, v in zip(out, varying)), None)
 
 

@@ -124,12 +124,12 @@ def sync(axis_name, *, op: str = "mean", wire_dtype=None, error_feedback: bool =
                        "jaxcoll.data_parallel, which unstack them")
 
     def corrected(g, e):
-      return g + e.astype(g.dtype) if compresses(wire_dtype, g.dtype) else g
+      return g + e.astype(g.dtype) if compresses(wire_dtype, g.dtype, g.size) else g
 
     sent = jax.tree.map(corrected, updates, state.residual.value)
     residual = jax.tree.map(
         lambda c, e: fmt.error(c).astype(e.dtype)
-        if compresses(wire_dtype, c.dtype) else e, sent, state.residual.value)
+        if compresses(wire_dtype, c.dtype, c.size) else e, sent, state.residual.value)
     out, next_key = synced(sent, state)
     return out, SyncState(PerDevice(residual), next_key)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -41,7 +42,8 @@ def _reduce(op: str):
     axes = _manual(params, "axes")
     if axes is None:
       return None
-    return [all_reduce(x, axes, op=op, **opts.wire_for("all_reduce", x.dtype, op),
+    return [all_reduce(x, axes, op=op,
+                       **opts.wire_for("all_reduce", x.dtype, op, jnp.size(x)),
                        algorithm=opts.algorithm_for("all_reduce", axes))
             for x in invals]
   return rule
@@ -53,8 +55,8 @@ def _all_gather(to: str):
     if axes is None:
       return None
     (x,) = invals
-    return [all_gather(x, axes, axis=params["all_gather_dimension"],
-                       tiled=params["tiled"], to=to, **opts.wire_for("all_gather", x.dtype),
+    return [all_gather(x, axes, axis=params["all_gather_dimension"], tiled=params["tiled"],
+                       to=to, **opts.wire_for("all_gather", x.dtype, size=jnp.size(x)),
                        algorithm=opts.algorithm_for("all_gather", axes))]
   return rule
 
@@ -65,7 +67,8 @@ def _reduce_scatter(opts, invals, params):
     return None
   (x,) = invals
   return [reduce_scatter(x, axes, scatter_dimension=params["scatter_dimension"],
-                         tiled=params["tiled"], **opts.wire_for("reduce_scatter", x.dtype),
+                         tiled=params["tiled"],
+                         **opts.wire_for("reduce_scatter", x.dtype, size=jnp.size(x)),
                          algorithm=opts.algorithm_for("reduce_scatter", axes))]
 
 

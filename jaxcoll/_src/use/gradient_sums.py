@@ -57,9 +57,21 @@ def stack(x, mesh, axes: tuple[str, ...], spec, algorithm="auto", wire_dtype=Non
 
 
 def _sum(ct, axes, algorithm, wire_dtype):
-  """The gradient sum, on the wire ``use`` decided for it (:meth:`Options.wire_for`)."""
-  wire = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
-  return all_reduce(ct, axes, algorithm=algorithm, **wire)
+  """The gradient sum, on the wire ``use`` decided for it (:meth:`Options.wire_for`).
+
+  Raises:
+    ValueError: a float64 cotangent on a compressed wire, which encodes in float32.
+  """
+  if wire_dtype is None:
+    return all_reduce(ct, axes, algorithm=algorithm)
+  if jnp.dtype(ct.dtype).itemsize > 4:
+    name = getattr(wire_dtype, "name", wire_dtype)
+    raise ValueError(
+        f"use(wire_dtype={name!r}): the gradient of a {jnp.dtype(ct.dtype)} input of shape "
+        f"{tuple(ct.shape)}, replicated over {tuple(axes)}, would be summed encoded in "
+        "float32, where a float64 value has no home beyond float32's range; cast it to "
+        "float32, or pass wire_dtype=None")
+  return all_reduce(ct, axes, algorithm=algorithm, wire_dtype=wire_dtype)
 
 
 # ---- vary ----

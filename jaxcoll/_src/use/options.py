@@ -61,20 +61,27 @@ class Options:
       return self.algorithm.get(primitive, "auto")
     return offered_algorithm(primitive, self.algorithm, len(axes))
 
-  def wire_for(self, primitive: str, dtype, op: str = "sum") -> dict:
+  def wire_for(self, primitive: str, dtype, op: str = "sum", size: int | None = None,
+               gradient: bool = True) -> dict:
     """``wire_dtype=`` where ``use`` sends a collective compressed: the sums
     (all_reduce, reduce_scatter) and gathers of data the format compresses. Never a max or
     a min (it selects a value: a rounded maximum matches no device's own, and argmax over a
-    split dimension reads that match), nor an all_to_all; the rest travel as they are. The
-    one place ``use`` decides it, for shard_map programs and global ones alike.
+    split dimension reads that match), nor an all_to_all, nor a value of ``size`` the
+    format does not gain on (``compresses(wire, dtype, size)``: a single value, as a loss
+    or a metric is, travels exact; in a bucket of sums each leaf is decided so), nor a sum
+    of a global program that autodiff's backward pass did not make (``gradient``
+    False, :mod:`backward`: the loss, a metric, tensor parallelism's forward sums); the rest
+    travel as they are. The one place ``use`` decides it, for shard_map programs and global
+    ones alike.
 
     Raises:
       ValueError: a float64 value to compress: a block-scaled or bfloat16 wire encodes in
         float32, where a float64 value beyond its range has no home (it would arrive inf or
         NaN); the error names the equation and its source line.
     """
-    wanted = primitive in ("all_reduce", "reduce_scatter", "all_gather") and op == "sum"
-    if not (wanted and compresses(self.wire, dtype)):
+    wanted = primitive in ("all_reduce", "reduce_scatter", "all_gather") and op == "sum" and \
+        gradient
+    if not (wanted and compresses(self.wire, dtype, size)):
       return {}
     if jnp.dtype(dtype).itemsize > 4:
       equation, line = record_where()
@@ -96,6 +103,9 @@ class Options:
 
   def _sum_options(self, x, axes) -> tuple:
     """The algorithm and wire (None: uncompressed) of the gradient sum of ``x``, decided
-    here as for every other sum."""
+    here as for every other sum; a float64 ``x`` is refused where its gradient is summed
+    (:func:`gradient_sums.vary`), if ever: not every program is differentiated."""
+    wide = jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize > 4
     return (self.algorithm_for("all_reduce", axes),
-            self.wire_for("all_reduce", x.dtype).get("wire_dtype"))
+            self.wire_for("all_reduce", jnp.float32 if wide else x.dtype,
+                          size=jnp.size(x)).get("wire_dtype"))

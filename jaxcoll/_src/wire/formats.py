@@ -197,6 +197,15 @@ class WireFormat:
     """Wire bytes per value, the shared exponents included."""
     return self.dtype.itemsize + (1 / self.block_size if self.scaled else 0.0)
 
+  def padded(self, size: int) -> int:
+    """Values a leaf of ``size`` takes in a packed buffer: whole blocks of its own (a block's
+    scale follows only that leaf's values), ``size`` for an unscaled format."""
+    return -(-size // self.block_size) * self.block_size if self.scaled else size
+
+  def wire_bytes(self, size: int) -> float:
+    """Bytes a leaf of ``size`` values takes on the wire, packed on blocks of its own."""
+    return self.padded(size) * self.bytes_per_value
+
   def ratio(self, dtype) -> float:
     """Wire bytes per byte of ``dtype`` data: the factor on ``Schedule.bytes_per_rank``."""
     return self.bytes_per_value / np.dtype(dtype).itemsize
@@ -307,16 +316,24 @@ def wire_format(wire_dtype, dtype, block_size: int = DEFAULT_BLOCK_SIZE, *,
   return fmt
 
 
-def compresses(wire_dtype, dtype) -> bool:
+def compresses(wire_dtype, dtype, size: int | None = None) -> bool:
   """Whether ``wire_dtype`` compresses ``dtype`` data: floating data wider than an unscaled
-  format (bfloat16), any floating data for a block-scaled one. Integers never compress."""
+  format (bfloat16), any floating data for a block-scaled one. Integers never compress.
+
+  Given ``size``, whether a leaf of that many values, packed with others (a gradient
+  bucket), travels compressed: a leaf lies on blocks of its own (:meth:`WireFormat.padded`),
+  so it does where that is smaller than its own bytes, and never as a single value (a loss,
+  a metric: one value gains nothing, and the number a user logs would read rounded). With
+  int8 and blocks of 256, a leaf of more than 64 values; with bfloat16, of 2 or more."""
   if wire_dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     return False
   name = wire_name(wire_dtype)
   if name not in ELEMENTS:
     _unknown(wire_dtype, "wire_dtype")
-  fmt = WireFormat(name)
-  return fmt.scaled or np.dtype(dtype).itemsize > fmt.dtype.itemsize
+  fmt = wire_dtype if isinstance(wire_dtype, WireFormat) else WireFormat(name)
+  if not (fmt.scaled or np.dtype(dtype).itemsize > fmt.dtype.itemsize):
+    return False
+  return size is None or (size > 1 and fmt.wire_bytes(size) < size * np.dtype(dtype).itemsize)
 
 
 def pow2(e):
