@@ -56,7 +56,9 @@ def use(fun: Callable | None = None, *, algorithm="auto", wire_dtype=None, profi
       split inputs have no per-device rule, instead of gathering them whole.
 
   Returns:
-    The function, same pytrees in and out; ``.lower(*args)`` lowers it as that call runs.
+    The function, same pytrees in and out; ``.lower(*args)`` lowers it as that call runs,
+    from arrays or their ``jax.ShapeDtypeStruct``s with shardings (ahead of time, for a
+    machine the caller is not on); ``.lower(*args).compile()`` is called as the function.
 
   Raises:
     ValueError: an axis not in the mesh, shardings that are no prefix of the arguments,

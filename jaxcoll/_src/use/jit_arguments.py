@@ -13,12 +13,15 @@ from jax.sharding import PartitionSpec as P
 from jaxcoll._src import compat
 from jaxcoll._src.use.placement import entries, explicit
 
+ABSTRACT_OR_ARRAY = (jax.Array, np.ndarray, np.generic, jax.core.Tracer, jax.ShapeDtypeStruct)
+
 
 def arguments(fun, args, kwargs) -> tuple[list, object, list[int], set[int]]:
   """``(leaves, tree, dynamic, donated)``: the argument leaves of ``(args, kwargs)``, the
   positions of those traced (``dynamic``) and of those donated.
 
-  Traced: arrays and tracers; for a function ``jax.jit`` wrapped, also Python numbers
+  Traced: arrays, tracers and ``jax.ShapeDtypeStruct``s (an argument given by its type
+alone, to lower ahead of time); for a function ``jax.jit`` wrapped, also Python numbers
   outside its static arguments (weakly typed, as jit traces them: a new learning rate is
   no new program), and its donated arguments are donated. Any other leaf (a function, a
   config field, a Python number given to a plain function) passes to the function as it
@@ -35,7 +38,7 @@ def arguments(fun, args, kwargs) -> tuple[list, object, list[int], set[int]]:
   for i, (path, x) in enumerate(flat):
     kind, arg = where(path)
     is_static = arg in (static if kind == "pos" else static_names)
-    if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer)) or (
+    if isinstance(x, ABSTRACT_OR_ARRAY) or (
         jitted is not None and not is_static and isinstance(x, (bool, int, float, complex))):
       dynamic.append(i)
       if arg in (donate if kind == "pos" else donate_names):
@@ -44,7 +47,10 @@ def arguments(fun, args, kwargs) -> tuple[list, object, list[int], set[int]]:
 
 
 def type_key(x):
-  """What a traced argument's program depends on: its shape, dtype and weak type."""
+  """What a traced argument's program depends on: its shape, dtype and weak type (an
+  array and the ``ShapeDtypeStruct`` of its type alike)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return tuple(x.shape), np.dtype(x.dtype), bool(x.weak_type)
   return jnp.shape(x), jnp.result_type(x), jax.typeof(x).weak_type
 
 
@@ -144,7 +150,8 @@ def laid_out(flat) -> tuple | None:
   traced and some is laid out over a mesh (split, unreduced or reduced); else None."""
   if not flat or any(isinstance(x, jax.core.Tracer) for x in flat):
     return None
-  shardings = tuple(x.sharding if isinstance(x, jax.Array) else None for x in flat)
+  shardings = tuple(x.sharding if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None
+                    for x in flat)
   if not any(isinstance(s, jax.sharding.NamedSharding) and (
       any(entries(s.spec)) or s.spec.unreduced or s.spec.reduced) for s in shardings):
     return None

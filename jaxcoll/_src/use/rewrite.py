@@ -39,6 +39,7 @@ from jax import lax
 from jaxcoll._src import compat
 from jaxcoll._src.config import config
 from jaxcoll._src.interpreter import Body, Call, Cond, Scan, While, evaluate, form_of
+from jaxcoll._src.use import ahead
 from jaxcoll._src.use import evaluator as spmd
 from jaxcoll._src.use.collective_rules import CASTS, COLLECTIVES, left_because
 from jaxcoll._src.use.global_programs import global_program
@@ -266,13 +267,12 @@ def rewrite(fun: Callable, opts: Options) -> Callable:
       return traced(*a, **k)
     run = jax.jit(call, donate_argnums=tuple(k for k, i in enumerate(dynamic) if i in donated))
 
-    def moved(*arrays):   # host memory a device_put inside jit leaves unset (unpinned_host)
-      leaves, tree = jax.tree.flatten(run(*arrays))
+    def finish(out):   # host memory a device_put inside jit leaves unset (unpinned_host)
+      leaves, tree = jax.tree.flatten(out)
       return jax.tree.unflatten(tree, [jax.device_put(x, given.memory[i]) if i in given.memory
                                        and x.sharding != given.memory[i] else x
                                        for i, x in enumerate(leaves)])
-    moved.lower = run.lower
-    return moved
+    return run, finish
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
@@ -281,11 +281,22 @@ def rewrite(fun: Callable, opts: Options) -> Callable:
       return _traced(fun, opts)(*args, **kwargs)
     if key not in compiled:
       compiled[key] = jitted(flat, in_tree, dynamic, donated, layouts)
-    return compiled[key](*[flat[i] for i in dynamic])
+    run, finish = compiled[key]
+    return finish(run(*[flat[i] for i in dynamic]))
 
   def lower(*args, **kwargs):
-    flat, in_tree, dynamic, donated, layouts, _ = split(args, kwargs)
-    return jitted(flat, in_tree, dynamic, donated, layouts).lower(*[flat[i] for i in dynamic])
+    """Lowered as the call would run, from arrays or their ``jax.ShapeDtypeStruct``s."""
+    flat, in_tree, dynamic, donated, layouts, key = split(args, kwargs)
+    run, finish = jitted(flat, in_tree, dynamic, donated, layouts)
+
+    def arrays(args, kwargs):   # a call of the executable: the arguments lowered with
+      got = split(args, kwargs)
+      if (got[1], got[5][2]) != (in_tree, key[2]):
+        raise TypeError("use(...).lower(...).compile() called with arguments of other "
+                        f"structure, types or static values than lowered with: {in_tree} "
+                        f"and {got[1]}")
+      return [got[0][i] for i in got[2]]
+    return ahead.Lowered(run.lower(*[flat[i] for i in dynamic]), arrays, finish)
 
   wrapped.lower = lower
   wrapped._jaxcoll_use = True   # for jaxcoll.explain_step
