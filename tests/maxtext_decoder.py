@@ -248,11 +248,14 @@ def train_step(model, config: Config, params, opt_state, batch, params_shardings
   return optax.apply_updates(params, updates), opt_state, {"loss": loss}
 
 
-def setup(mesh, config: Config = Config(), batch: int = 16, constrain: bool = True):
+def setup(mesh, config: Config = Config(), batch: int = 16, constrain: bool = True,
+          abstract: bool = False):
   """The model, its parameters and optimizer state laid out by the logical axis rules
   (initialized jitted with those ``out_shardings``, as MaxText's ``setup_initial_state``),
   a batch split over ("data", "fsdp"), and the jitted step with its shardings
-  (``constrain=False`` leaves out the accumulator's sharding constraint)."""
+  (``constrain=False`` leaves out the accumulator's sharding constraint). ``abstract``:
+  the arguments as ``jax.ShapeDtypeStruct``s with those shardings, nothing computed (as
+  MaxText's ``train_compile.py`` compiles for devices it is not on)."""
   model = Decoder(config)
   tokens = jnp.ones((batch, config.length), jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(config.length), tokens.shape)
@@ -261,18 +264,26 @@ def setup(mesh, config: Config = Config(), batch: int = 16, constrain: bool = Tr
     params = model.init(key, tokens, positions)["params"]
     return params, optimizer(config).init(params)
 
-  abstract = jax.eval_shape(init, jax.random.key(0))
+  shapes = jax.eval_shape(init, jax.random.key(0))
   with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
-    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh,
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(shapes), mesh,
                                             LOGICAL_AXIS_RULES)
-    params, opt_state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
-  params, opt_state = nn.meta.unbox((params, opt_state))
+    if not abstract:
+      params, opt_state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
   shardings = nn.meta.unbox(shardings)
   data = NamedSharding(mesh, P(("data", "fsdp")))
-  rng = np.random.default_rng(0)
-  text = rng.integers(0, config.vocab, (batch, config.length + 1)).astype(np.int32)
-  batch_ = {"inputs": jax.device_put(text[:, :-1], data),
-            "targets": jax.device_put(text[:, 1:], data)}
+  if abstract:
+    params, opt_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        nn.meta.unbox(shapes), shardings)
+    batch_ = {k: jax.ShapeDtypeStruct((batch, config.length), jnp.int32, sharding=data)
+              for k in ("inputs", "targets")}
+  else:
+    params, opt_state = nn.meta.unbox((params, opt_state))
+    rng = np.random.default_rng(0)
+    text = rng.integers(0, config.vocab, (batch, config.length + 1)).astype(np.int32)
+    batch_ = {"inputs": jax.device_put(text[:, :-1], data),
+              "targets": jax.device_put(text[:, 1:], data)}
 
   def step(params, opt_state, batch):
     with nn.logical_axis_rules(LOGICAL_AXIS_RULES):

@@ -92,3 +92,21 @@ def test_an_executable_called_with_other_arguments_is_a_type_error():
     compiled = jaxcoll.use(step).lower(jax.tree.map(abstract, p), abstract(x)).compile()
     with pytest.raises(TypeError):
       compiled({"w1": p["w1"]}, x)
+
+
+def test_the_maxtext_decoder_compiles_from_types_as_train_compile_does():
+  """The MaxText-style decoder step (``tests/maxtext_decoder.py``: logical axis rules,
+  ``nn.scan`` + ``nn.remat``, AdamW) on data x fsdp x tensor, lowered from its arguments'
+  types with no mesh in context (as MaxText's ``train_compile.py``; flax's logical
+  constraints then name no mesh): the executable equals jit's step on arrays."""
+  import maxtext_decoder as mt
+  mesh = jax.make_mesh((2, 2, 2), mt.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+  step, types = mt.setup(mesh, mt.Config(scan_layers=True), abstract=True)
+  _, args = mt.setup(mesh, mt.Config(scan_layers=True))
+  compiled = jaxcoll.use(step, algorithm="ring").lower(*types).compile()
+  hlo = compiled.as_text()
+  assert "all-reduce" not in hlo and "all-gather" not in hlo
+  got, want = compiled(*args), step(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    scale = 1 + float(jnp.max(jnp.abs(w)))
+    np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5 * scale)

@@ -17,7 +17,7 @@ def _gather(ev, eqn, ins):
   offset = [d for d in range(len(oshape)) if d not in collapsed]
   odims = [() if d in indexed or slice_sizes[d] != oshape[d] else a
            for d, a in enumerate(operand.place.dims)]
-  used = {a for axes in odims for a in axes}
+  used = {a for axes in odims for a in axes} | set(operand.place.partial)   # no axis twice
   paired = _batching_pairs(ev, operand.place, indices.place, oshape, used,
                            dn.operand_batching_dims, dn.start_indices_batching_dims)
   for od, _, axes in paired:   # row i of the operand is read by row i of the indices
