@@ -21,7 +21,8 @@ names of the lax collective and of auto among the schedules (:data:`NATIVE`,
 :func:`axes_in_mesh`), sizes and times in words (:func:`format_size`,
 :func:`format_seconds`) and a step's report as it is traced (:class:`ReportLine`,
 :func:`recording`, :func:`record_paused`, :func:`record_at`, :func:`record_note`,
-:func:`record_in_use`, :func:`record_repeated`, :func:`record_where`).
+:func:`record_in_use`, :func:`record_repeated`, :func:`record_where`), and what a compiled
+step's transfers run beside (:func:`overlap`, :class:`Overlap`).
 """
 
 from jaxcoll._src.auto.dispatch import NATIVE_MARGIN, check_choice, replaces
@@ -42,6 +43,7 @@ from jaxcoll._src.collectives import algorithm_of
 from jaxcoll._src.config import config_field, remove_config_field, setting
 from jaxcoll._src.invariant import check_vma_enabled, make_varying
 from jaxcoll._src.ops import check_op
+from jaxcoll._src.overlap import Overlap, overlap
 from jaxcoll._src.per_device_rules import register_rule as register_spmd_rule
 from jaxcoll._src.per_device_rules import unregister_rule as unregister_spmd_rule
 from jaxcoll._src.record import Line as ReportLine
@@ -68,6 +70,7 @@ from jaxcoll._src.wire.rounding import low_precision, round_to
 __all__ = (
     "NATIVE",
     "NATIVE_MARGIN",
+    "Overlap",
     "SCHEDULE",
     "ReportLine",
     "WireElement",
@@ -98,6 +101,7 @@ __all__ = (
     "mesh_shape",
     "normalize_axes",
     "offered_algorithm",
+    "overlap",
     "record_at",
     "record_in_use",
     "record_note",

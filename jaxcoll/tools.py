@@ -9,7 +9,8 @@ what one call runs and why, the one decision "auto" makes (:func:`decide` of a
 side-by-side timing (:func:`interleaved`); calibration's two halves (:func:`measure`,
 :func:`fit`); meshes and their axes (:func:`mesh_shape`, :func:`axes_in_mesh`); byte sizes
 and times as people write them (:func:`parse_size`, :func:`format_size`,
-:func:`format_seconds`); a compiled program's flops per device (:func:`flops_of`); and
+:func:`format_seconds`); a compiled program's flops per device (:func:`flops_of`) and what
+each of its transfers runs beside (:func:`overlap`); and
 :func:`unregister`, the undo of :func:`jaxcoll.register`.
 ``jaxcoll-bench`` (:mod:`jaxcoll.bench`) and ``benchmarks/`` use only these and the
 ``jaxcoll`` namespace. What integrations are built with is :mod:`jaxcoll.extend`.
@@ -29,6 +30,7 @@ from jaxcoll._src.auto.dispatch import (
 from jaxcoll._src.calibrate import Measurements, fit, measure
 from jaxcoll._src.checks import axes_in_mesh, mesh_shape
 from jaxcoll._src.collectives import algorithm_of, flat_call
+from jaxcoll._src.overlap import H100_PEAK_FLOPS, Overlap, Transfer, overlap
 from jaxcoll._src.register import unregister
 from jaxcoll._src.schedules.algorithms import NATIVE, SCHEDULE, label
 from jaxcoll._src.spec import CollectiveSpec, primitives, spec
@@ -37,6 +39,10 @@ from jaxcoll._src.units import format_seconds, format_size, parse_size
 from jaxcoll._src.use.step_report import flops_of
 
 __all__ = (
+    "H100_PEAK_FLOPS",
+    "Overlap",
+    "Transfer",
+    "overlap",
     "NATIVE",
     "NATIVE_MARGIN",
     "SCHEDULE",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 
 import jax
 import numpy as np
@@ -232,29 +231,6 @@ def auto_disagreements(mesh: Mesh, profile, *, primitives=("all_reduce", "all_ga
 
 # ---- what a step's collectives send: jit's compiled HLO against use's report ----
 
-_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_HLO_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-def _hlo_nbytes(text: str) -> int:
-  return sum(_HLO_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
-             for t, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", text) if t in _HLO_BYTES)
-
-
-def _group_size(rest: str) -> int:
-  """How many devices each group of an HLO collective's ``replica_groups`` holds."""
-  named = re.search(r"replica_groups=mesh\[(.*?)\](?:, device_ids=\(.*?\))? \{(.*?)\}", rest)
-  if named:
-    sizes = dict((k.strip("'"), int(v)) for k, v in re.findall(r"('[\w]+')=(\d+)", named.group(1)))
-    return math.prod(sizes[a.strip().strip("'")] for a in named.group(2).split(",") if a.strip())
-  iota = re.search(r"replica_groups=\[([\d,]+)\]<=", rest)
-  if iota:
-    return int(iota.group(1).split(",")[-1])
-  listed = re.search(r"replica_groups=\{\{([\d,]*)\}", rest)
-  return len(listed.group(1).split(",")) if listed else 1
-
-
 def _received(kind: str, nbytes: float, n: int) -> float:
   """What each device of a group of n receives for a collective of a value of ``nbytes``
   (an all-reduce's or a reduce-scatter's operand, an all-gather's result, an all-to-all's or
@@ -265,46 +241,22 @@ def _received(kind: str, nbytes: float, n: int) -> float:
   return nbytes * share.get(kind, (n - 1) / n)
 
 
-def hlo_collective_bytes(hlo: str) -> dict[str, float]:
+def hlo_collective_bytes(text: str) -> dict[str, float]:
   """Bytes each device receives for a compiled module's collectives, by kind
   (:func:`_received`), times the trip count XLA knows for each loop around them."""
-  comps, entry, current = {}, None, None
-  for line in hlo.splitlines():
-    head = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$", line)
-    if head:
-      current = head.group(2)
-      comps[current] = []
-      entry = current if head.group(1) else entry
-      continue
-    m = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*?) ([a-z\-]+)\((.*?)\)(.*)$", line)
-    if m and current is not None:
-      comps[current].append(m.groups())
-  shapes = {name: result for instrs in comps.values() for name, result, *_ in instrs}
-  runs, todo = {entry: 1}, [entry]
-  while todo:
-    comp = todo.pop()
-    for _, _, op, _, rest in comps.get(comp, ()):
-      branches = re.search(r"branch_computations=\{(.*?)\}", rest)
-      callees = re.findall(r"(?:body|calls|true_computation|false_computation)=%([\w.\-]+)",
-                           rest) + re.findall(r"%([\w.\-]+)", branches.group(1) if branches else "")
-      trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest) if op == "while" else None
-      for callee in callees:
-        if callee not in runs and op in ("while", "call", "conditional", "async-start"):
-          runs[callee] = runs[comp] * (int(trips.group(1)) if trips else 1)
-          todo.append(callee)
+  from jaxcoll._src import hlo
+  module = hlo.parse(text)
   out: dict[str, float] = {}
-  for comp, times in runs.items():
-    for _, result, op, operands, rest in comps.get(comp, ()):
-      kind = op.removesuffix("-start")
-      if kind not in _HLO_KINDS:
+  for comp, times in module.runs.items():
+    for i in module.computations.get(comp, ()):
+      kind = i.opcode.removesuffix("-start")
+      if kind not in hlo.COLLECTIVES or i.opcode.endswith("-done"):
         continue
       if kind == "reduce-scatter":
-        value = sum(_hlo_nbytes(shapes.get(a.strip().lstrip("%"), ""))
-                    for a in operands.split(","))
-      else:
-        value = _hlo_nbytes(result) // (2 if op.endswith("-start") and
-                                         result.startswith("(") else 1)
-      out[kind] = out.get(kind, 0) + _received(kind, value, _group_size(rest)) * times
+        value = module.operand_bytes(i)
+      else:   # a permute's start holds its operand and its result
+        value = i.nbytes / (2 if i.opcode.endswith("-start") and i.type.startswith("(") else 1)
+      out[kind] = out.get(kind, 0) + _received(kind, value, hlo.group_size(i.attributes)) * times
   return out
 
 

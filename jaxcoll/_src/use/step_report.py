@@ -16,7 +16,7 @@ import dataclasses
 import re
 
 from jaxcoll._src.table import Table
-from jaxcoll.extend import ReportLine, format_size, recording
+from jaxcoll.extend import Overlap, ReportLine, format_size, overlap, recording
 
 HLO_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                    "ragged-all-to-all", "collective-broadcast", "collective-permute")
@@ -29,11 +29,15 @@ class StepReport:
   ``lines``: :class:`ReportLine` s in trace order; ``compiled``: how many instructions of
   each collective kind (``HLO_COLLECTIVES``) the compiled step holds; ``flops``: the
   compiled step's floating-point operations per device (XLA's cost analysis; None where
-  the backend gives none)."""
+  the backend gives none); ``overlap``: what each transfer of the compiled, scheduled step
+  runs beside (:func:`jaxcoll.tools.overlap`; on a CPU compile every collective is
+  synchronous, so only a GPU or TPU compile, one for compile-only devices included, shows
+  an overlap)."""
 
   lines: tuple[ReportLine, ...]
   compiled: dict
   flops: float | None = None
+  overlap: Overlap | None = None
 
   @property
   def collectives(self) -> tuple[ReportLine, ...]:
@@ -76,7 +80,9 @@ class StepReport:
                     rows)
 
   def __str__(self) -> str:
-    return str(self.table())
+    if self.overlap is None or not self.overlap.transfers:
+      return str(self.table())
+    return f"{self.table()}\n\n{self.overlap.table()}"
 
 
 def count_collectives(hlo_text: str) -> dict:
@@ -98,7 +104,8 @@ def explain_step(step, *args, **kwargs) -> StepReport:
   Returns:
     A :class:`StepReport`: a line per jaxcoll collective (algorithm, bytes, the equation and
     source line that needed it), per equation run whole, per thing left to XLA; the
-    compiled HLO's collective instructions by kind, and its flops per device.
+    compiled HLO's collective instructions by kind, its flops per device, and what each of
+    its transfers runs beside (``overlap``).
 
   Raises:
     TypeError: ``step`` was not made by ``jaxcoll.use``.
@@ -120,7 +127,8 @@ def explain_step(step, *args, **kwargs) -> StepReport:
   with recording() as lines:
     lowered = step.lower(*args, **kwargs)
   compiled = lowered.compile()
-  return StepReport(tuple(lines), count_collectives(compiled.as_text()), flops_of(compiled))
+  text = compiled.as_text()
+  return StepReport(tuple(lines), count_collectives(text), flops_of(compiled), overlap(text))
 
 
 def flops_of(compiled) -> float | None:
