@@ -3,6 +3,8 @@
   python benchmarks/gpu_check.py                  # on a machine with one GPU: ~8 minutes
   python benchmarks/gpu_check.py --dry-run        # every stage on the CPU, small sizes (CI)
   python benchmarks/gpu_check.py --lower-only     # any machine: what a GPU would compile
+  python benchmarks/gpu_check.py --compile-only   # any machine with jax-cuda12-plugin:
+                                                  # compiled for 1x8 and 2x8 H100s
 
 Writes ``<out>.json`` and ``<out>.md`` (default ``benchmarks/out/gpu_check``). Each stage runs
 in a process of its own with a timeout of its own, so a stage that fails, hangs or crashes is
@@ -35,9 +37,15 @@ reported and the next still runs:
    the GPU preset. Per case: the collective-permutes, the lax collectives and the Pallas
    custom calls of the module.
 
+8. ``compile``: jaxcoll's programs and training steps compiled by XLA's whole GPU pipeline
+   for compile-only H100s, one host of 8 and two of 8 (``benchmarks/gpu_compile.py``): per
+   program the scheduled module's collectives, memory per device and what each transfer
+   runs beside (``jaxcoll.tools.overlap``). Needs ``jax-cuda12-plugin`` of jax's version;
+   without it the stage says so and is skipped.
+
 ``--dry-run`` runs the same stages in interpret mode on the CPU at small sizes, so the
 script cannot rot (``tests/test_gpu_check.py``). ``--lower-only`` runs ``env`` and
-``lowering`` alone, on any machine.
+``lowering`` alone, on any machine; ``--compile-only`` ``env`` and ``compile``.
 """
 
 from __future__ import annotations
@@ -54,9 +62,10 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-STAGES = ("env", "kernel", "bandwidth", "wire", "programs", "calibrate", "lowering")
+STAGES = ("env", "kernel", "bandwidth", "wire", "programs", "calibrate", "lowering",
+          "compile")
 TIMEOUT_S = {"env": 120, "kernel": 150, "bandwidth": 120, "wire": 60, "programs": 120,
-             "calibrate": 60, "lowering": 240}
+             "calibrate": 60, "lowering": 240, "compile": 900}
 LAX_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 OPS = ("sum", "prod", "min", "max", "mean")
 
@@ -405,9 +414,10 @@ def stage_lowering(dry: bool, platform: str = "cuda", device_kind: str = "NVIDIA
 
 
 def run_stage(name: str, dry: bool, hbm: float) -> dict:
+  import gpu_compile
   fn = {"env": stage_env, "kernel": stage_kernel, "bandwidth": stage_bandwidth,
         "wire": stage_wire, "programs": stage_programs, "calibrate": stage_calibrate,
-        "lowering": stage_lowering}[name]
+        "lowering": stage_lowering, "compile": gpu_compile.stage_compile}[name]
   return fn(dry, hbm) if name == "bandwidth" else fn(dry)
 
 
@@ -427,8 +437,8 @@ def run_all(dry: bool, hbm: float, stages=STAGES, timeouts=None) -> dict:
              "--hbm", str(hbm)] + (["--dry-run"] if dry else [])
       start = time.perf_counter()
       try:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                              timeout=timeouts[name])
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeouts[name],
+                              env=dict(env, JAX_PLATFORMS="cpu") if name == "compile" else env)
         body = out.read()
         result = json.loads(body) if body else {}
         if done.returncode != 0:   # the stage's own traceback, else what it printed
@@ -506,8 +516,12 @@ def markdown(results: dict) -> str:
                      f"{r['pallas']} | {'yes' if r['cpu_only'] else 'no'} |")
       else:
         lines.append(f"| {r['case']} | no: {r['error'].splitlines()[0][:120]} | | | | |")
+  if "compile" in results and "rows" in results["compile"] or \
+      results.get("compile", {}).get("status") == "skipped":
+    import gpu_compile
+    lines += gpu_compile.markdown(results["compile"])
   for name, r in results.items():
-    if r["status"] != "ok":
+    if r["status"] not in ("ok", "skipped"):
       lines += ["", f"## {name}: {r['status']}", "", "```", r.get("error", "")[-1500:], "```"]
   return "\n".join(lines) + "\n"
 
@@ -526,6 +540,9 @@ def main(argv=None) -> int:
                       ", ".join(f"{k} {v} s" for k, v in TIMEOUT_S.items()) + ")")
   parser.add_argument("--lower-only", action="store_true",
                       help="env and lowering alone: what a GPU would compile, on any machine")
+  parser.add_argument("--compile-only", action="store_true",
+                      help="env and compile alone: compiled for H100s without one "
+                      "(needs jax-cuda12-plugin)")
   parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)
   parser.add_argument("--result", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -539,7 +556,8 @@ def main(argv=None) -> int:
     with open(args.result, "w") as f:
       json.dump(result, f)
     return 0
-  stages = ("env", "lowering") if args.lower_only else tuple(args.stages.split(","))
+  stages = ("env", "lowering") if args.lower_only else ("env", "compile") \
+      if args.compile_only else tuple(args.stages.split(","))
   for name in stages:
     if name not in STAGES:
       parser.error(f"--stages: {name!r} is not one of {STAGES}")
@@ -556,7 +574,7 @@ def main(argv=None) -> int:
   with open(args.out + ".md", "w") as f:
     f.write(markdown(results))
   print(f"wrote {args.out}.json and {args.out}.md")
-  return 0 if all(r["status"] == "ok" for r in results.values()) else 1
+  return 0 if all(r["status"] in ("ok", "skipped") for r in results.values()) else 1
 
 
 if __name__ == "__main__":

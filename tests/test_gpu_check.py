@@ -31,8 +31,11 @@ def test_the_dry_run_runs_every_stage_and_reports_each(tmp_path):
   done, results, report = check(tmp_path)
   assert done.returncode == 0, done.stdout + done.stderr
   assert list(results) == ["env", "kernel", "bandwidth", "wire", "programs", "calibrate",
-                           "lowering"]
+                           "lowering", "compile"]
+  compiled = results.pop("compile")   # skipped, by name, without the CUDA plugin
   assert all(r["status"] == "ok" for r in results.values()), results
+  assert compiled["status"] == "ok" and all(r["ok"] for r in compiled["rows"]) or \
+      compiled["status"] == "skipped" and "Compiled for a GPU: skipped (" in report, compiled
   assert results["env"]["dry_run"] and results["env"]["backend"] == "cpu"
   (interpreted,) = results["kernel"]["compilers"].values()
   assert interpreted["cases"] >= 60 and interpreted["differ"] == 0

@@ -1,0 +1,71 @@
+"""jaxcoll compiled by XLA's whole GPU pipeline for compile-only H100s (one host of 8, two
+of 8), no GPU needed: ``python benchmarks/gpu_check.py --compile-only``, run as a user runs
+it. Needs ``jax-cuda12-plugin`` of the installed jax's version (CI installs it on the
+oldest-jax leg, after the quick tests: ``.ci/run``); skipped, by name, without one.
+
+Every program compiles (every primitive x algorithm, hierarchical, the ring all_reduce on
+every wire format, the training steps); the ring steps under ``use`` hold no collective but
+the schedules' permutes; XLA's own data-parallel step overlaps its all-reduces with GEMMs
+(the yardstick the overlap work measures against); ``use``'s data-parallel and FSDP steps
+stay within 1.1x of jit's peak memory per device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.join(HERE, "..", "benchmarks")
+sys.path.insert(0, BENCH)
+import gpu_compile  # noqa: E402
+
+WHY = gpu_compile.available()
+if WHY is not None and os.environ.get("JAXCOLL_GPU_COMPILE") == "required":   # CI's leg
+  raise RuntimeError(f"JAXCOLL_GPU_COMPILE=required, and {WHY}")
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"compile-only GPU: {WHY}")
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+  out = tmp_path_factory.mktemp("gpu") / "gpu_check"
+  done = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_check.py"),
+                         "--compile-only", "--out", str(out)],
+                        capture_output=True, text=True, timeout=1200,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  with open(f"{out}.json") as f:
+    result = json.load(f)["compile"]
+  assert os.path.exists(f"{out}.md")
+  return result["rows"]
+
+
+def test_every_program_compiles_for_both_topologies(rows):
+  failed = [(r["topology"], r["layout"], r["program"], r.get("error")) for r in rows
+            if not r["ok"]]
+  assert not failed, failed
+  assert {r["topology"] for r in rows} == {"1x8", "2x8"}
+  assert sum(r["layout"] == "collective" for r in rows) > 40
+
+
+def test_ring_steps_under_use_hold_only_the_schedules_permutes(rows):
+  for r in rows:
+    if r["program"] == "use(ring)" or r["program"].endswith(" ring"):
+      assert set(r["collectives"]) == {"collective-permute"}, r
+
+
+def test_xlas_data_parallel_step_overlaps_its_all_reduces(rows):
+  for r in rows:
+    if (r["layout"], r["program"]) == ("DP", "jax.jit"):
+      assert r["covered"] >= 0.5 and r["hidden"] > 0, r
+
+
+def test_use_stays_within_jits_peak_memory(rows):
+  jit = {(r["topology"], r["layout"]): r["peak_bytes"] for r in rows
+         if r["program"] == "jax.jit"}
+  for r in rows:
+    if r["program"] == "use(ring)" and r["layout"] in ("DP", "FSDP"):
+      assert r["peak_bytes"] <= 1.1 * jit[r["topology"], r["layout"]], r
