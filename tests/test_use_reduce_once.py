@@ -29,19 +29,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from small_mlp import SHAPES, mlp_loss
+from small_mlp import setup as mlp_setup
 
 import jaxcoll
 
 pytestmark = pytest.mark.quick   # reads jaxprs: on every supported jax
 
-SHAPES = {"w1": (32, 64), "b1": (64,), "w2": (64, 8), "b2": (8,)}
 LR, B1, B2 = 1e-2, 0.9, 0.999
 tx = optax.adam(LR)
-
-
-def mlp_loss(p, x, y):
-  h = jax.nn.relu(x @ p["w1"] + p["b1"])
-  return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
 
 
 @jax.jit
@@ -52,22 +48,8 @@ def adam_step(p, s, x, y):
 
 
 def setup(layout: str):
-  """The issue's step: params replicated (or w1/b1 column-split and w2 row-split over
-  "model"), a (256, 32) batch split over "data"."""
-  if layout == "dp":
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-    specs = {k: P() for k in SHAPES}
-  else:
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
-  keys = jax.random.split(jax.random.key(0), 4)
-  params = {"w1": jax.random.normal(keys[0], SHAPES["w1"]) / 6, "b1": jnp.zeros(64),
-            "w2": jax.random.normal(keys[1], SHAPES["w2"]) / 8, "b2": jnp.zeros(8)}
-  params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
-  data = NamedSharding(mesh, P("data"))
-  x = jax.device_put(jax.random.normal(keys[2], (256, 32)), data)
-  y = jax.device_put(jax.random.normal(keys[3], (256, 8)), data)
-  return mesh, params, tx.init(params), x, y
+  """The issue's step (:mod:`small_mlp`) with Adam's state."""
+  return mlp_setup(layout, tx)
 
 
 def adam_step_bound(t: int) -> float:

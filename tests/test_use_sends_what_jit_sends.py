@@ -24,18 +24,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from small_mlp import SHAPES, mesh_and_specs, mlp_loss, setup
 
 import jaxcoll
 
 pytestmark = pytest.mark.quick   # reads jaxprs: on every supported jax
-
-SHAPES = {"w1": (32, 64), "b1": (64,), "w2": (64, 8), "b2": (8,)}
-
-
-def mlp_loss(p, x, y):
-  h = jax.nn.relu(x @ p["w1"] + p["b1"])
-  return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
-
 
 def make_step(tx):
   @jax.jit
@@ -44,26 +37,6 @@ def make_step(tx):
     updates, s = tx.update(g, s, p)
     return optax.apply_updates(p, updates), s, loss
   return step
-
-
-def mesh_and_specs(layout: str):
-  if layout == "dp":
-    return (jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,)),
-            {k: P() for k in SHAPES})
-  return (jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2),
-          {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()})
-
-
-def setup(layout: str, tx):
-  mesh, specs = mesh_and_specs(layout)
-  keys = jax.random.split(jax.random.key(0), 4)
-  params = {"w1": jax.random.normal(keys[0], SHAPES["w1"]) / 6, "b1": jnp.zeros(64),
-            "w2": jax.random.normal(keys[1], SHAPES["w2"]) / 8, "b2": jnp.zeros(8)}
-  params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
-  data = NamedSharding(mesh, P("data"))
-  x = jax.device_put(jax.random.normal(keys[2], (256, 32)), data)
-  y = jax.device_put(jax.random.normal(keys[3], (256, 8)), data)
-  return mesh, params, tx.init(params), x, y
 
 
 def muon():
