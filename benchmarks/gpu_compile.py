@@ -111,14 +111,13 @@ def _sgd(loss):
   return step
 
 
-def step_cases(n: int):
-  """``(layout, program, fn, args)`` of the training steps on ``n`` devices."""
+def step_cases(topology: str, n: int):
+  """``(layout, program, fn, args)`` of the training steps on ``topology``'s ``n`` devices."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import PartitionSpec as P
 
   import jaxcoll
-  topology = {8: "1x1x8", 16: "1x2x8"}[n]
   dp = topology_mesh(topology, (n,), ("data",))
   tp = topology_mesh(topology, (n // 4, 4), ("data", "model"))
   fsdp_mesh = topology_mesh(topology, (n,), ("fsdp",))
@@ -166,7 +165,7 @@ def step_cases(n: int):
       out_specs=[P("fsdp", None)] * LAYERS, check_vma=False)), fsdp_args
 
 
-def model_cases(n: int):
+def model_cases(topology: str, n: int):
   """``(layout, program, fn, args)``: the MaxText-style decoder step of
   ``tests/maxtext_decoder.py`` (logical axis rules, ``nn.scan`` + ``nn.remat``, AdamW) on
   data x fsdp x tensor, and an MoE layer (``jaxcoll.moe``: dispatch, grouped matmul,
@@ -180,7 +179,6 @@ def model_cases(n: int):
   import jaxcoll
   sys.path.insert(0, os.path.join(HERE, "..", "tests"))
   import maxtext_decoder as mt
-  topology = {8: "1x1x8", 16: "1x2x8"}[n]
   mesh = topology_mesh(topology, (2, n // 4, 2), mt.MESH_AXES)
   step, args = mt.setup(mesh, mt.Config(scan_layers=True), abstract=True)
   yield "decoder", "jax.jit", step, args
@@ -207,12 +205,10 @@ def model_cases(n: int):
 
 def compiled_facts(compiled) -> dict:
   """What the report keeps of a compiled program."""
-  import collections
-
   import jaxcoll
   memory = compiled.memory_analysis()
   found = jaxcoll.tools.overlap(compiled)
-  return {"collectives": dict(collections.Counter(t.kind for t in found.transfers)),
+  return {"collectives": {k: n for k, n in found.counts().items() if n},
           "argument_bytes": memory.argument_size_in_bytes,
           "output_bytes": memory.output_size_in_bytes,
           "temp_bytes": memory.temp_size_in_bytes,
@@ -249,7 +245,8 @@ def stage_compile(dry: bool, topologies=tuple(TOPOLOGIES), steps: bool = True,
         rows.append({"topology": name, "layout": "collective", "program": case,
                      **_compile(fn, args)})
     if steps:
-      for layout, program, fn, args in (*step_cases(n), *(() if dry else model_cases(n))):
+      for layout, program, fn, args in (*step_cases(topology, n),
+                                         *(() if dry else model_cases(topology, n))):
         rows.append({"topology": name, "layout": layout, "program": program,
                      **_compile(fn, args)})
   return {"jax": jax.__version__, "target": "NVIDIA H100 SXM (benchmarks/targets)",

@@ -100,14 +100,10 @@ def _resolve(primitive, algorithm, axes, x, nbytes, accumulate=None, wire=None,
 
 
 def _wire(wire_dtype, dtype, wire_block_size, accumulate, op=None):
-  fmt = wire_lib.wire_format(wire_dtype, dtype, wire_block_size)
+  fmt = wire_lib.wire_format(wire_dtype, dtype, wire_block_size, op=op)
   if fmt is not None and accumulate is not None and np.dtype(accumulate) != np.float32:
     raise ValueError(f"wire_dtype={fmt.name!r} accumulates in float32; "
                      f"accumulate_dtype={np.dtype(accumulate).name} conflicts with it")
-  if fmt is not None and op in ("max", "min"):
-    raise ValueError(f"wire_dtype={fmt.name!r} with op={op!r}: a {op} selects one device's "
-                     "value, and a rounded one matches none (nor what lax.p" + op + " gives); "
-                     "a max or a min travels exact: pass wire_dtype=None")
   return fmt
 
 

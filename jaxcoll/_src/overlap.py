@@ -105,6 +105,11 @@ class Overlap:
     return 0.0 if total == 0 else sum(t.hidden_seconds * t.runs
                                       for t in self.transfers) / total
 
+  def counts(self) -> dict[str, int]:
+    """How many transfers of each collective kind the module holds (every kind of
+    ``hlo.COLLECTIVES``; an asynchronous pair counted once, a loop's body once)."""
+    return {k: sum(t.kind == k for t in self.transfers) for k in hlo.COLLECTIVES}
+
   def by_kind(self) -> dict[str, float]:
     """Transfer bytes per step by collective kind."""
     out: dict[str, float] = {}

@@ -73,14 +73,10 @@ def check_options(op: str, bucket_bytes, first_bucket_bytes, algorithm, wire_dty
   must be bfloat16/float16 for stochastic rounding), None where not known yet."""
   key = check_rounding(rounding, key, op=op, dtypes=dtypes)
   check_op(op, np.float32)
-  if wire_dtype is not None and op in ("max", "min"):
-    raise ValueError(f"wire_dtype={wire_dtype!r} with op={op!r}: a {op} selects one device's "
-                     "value, and a rounded one matches none; a max or a min travels exact: "
-                     "pass wire_dtype=None")
   check_int(bucket_bytes, "bucket_bytes", least=1)
   check_int(first_bucket_bytes, "first_bucket_bytes", least=1)
   check_algorithm("all_reduce", algorithm)
-  wire_format(wire_dtype, np.float32)   # a known format (floating buckets use it)
+  wire_format(wire_dtype, np.float32, op=op)   # a known format, never on a max or a min
   check_floating(accumulate_dtype, "accumulate_dtype")   # narrowing: per bucket, all_reduce
   return key
 

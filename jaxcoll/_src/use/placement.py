@@ -117,6 +117,11 @@ class Local:
   kept: object = None
   given: bool = False
 
+  @property
+  def nbytes(self) -> int:
+    """The bytes of this device's piece."""
+    return math.prod(self.value.shape) * self.value.dtype.itemsize
+
   def bound_to(self, var) -> Local:
     """The same value (key, origin, slicer, carried, kept) bound to ``var``."""
     return dataclasses.replace(self, var=var)

@@ -13,21 +13,17 @@ say where it came from (a "native" pick of auto, an "xla" line).
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from jaxcoll._src.table import Table
 from jaxcoll.extend import Overlap, ReportLine, format_size, overlap, recording
-
-HLO_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                   "ragged-all-to-all", "collective-broadcast", "collective-permute")
 
 
 @dataclasses.dataclass(frozen=True)
 class StepReport:
   """What a step's communication runs as.
 
-  ``lines``: :class:`ReportLine` s in trace order; ``compiled``: how many instructions of
-  each collective kind (``HLO_COLLECTIVES``) the compiled step holds; ``flops``: the
+  ``lines``: :class:`ReportLine` s in trace order; ``compiled``: how many collectives of
+  each kind the compiled step holds (:meth:`Overlap.counts`); ``flops``: the
   compiled step's floating-point operations per device (XLA's cost analysis; None where
   the backend gives none); ``overlap``: what each transfer of the compiled, scheduled step
   runs beside (:func:`jaxcoll.tools.overlap`; on a CPU compile every collective is
@@ -85,12 +81,6 @@ class StepReport:
     return f"{self.table()}\n\n{self.overlap.table()}"
 
 
-def count_collectives(hlo_text: str) -> dict:
-  """How many instructions of each kind of ``HLO_COLLECTIVES`` an HLO module's text holds
-  (an asynchronous pair ``-start``/``-done`` counted once)."""
-  return {k: len(re.findall(rf"(?<![\w-]){k}(?:-start)?\(", hlo_text)) for k in HLO_COLLECTIVES}
-
-
 def explain_step(step, *args, **kwargs) -> StepReport:
   """Compiles ``step(*args, **kwargs)`` as it would run, and says what runs every collective.
 
@@ -127,8 +117,8 @@ def explain_step(step, *args, **kwargs) -> StepReport:
   with recording() as lines:
     lowered = step.lower(*args, **kwargs)
   compiled = lowered.compile()
-  text = compiled.as_text()
-  return StepReport(tuple(lines), count_collectives(text), flops_of(compiled), overlap(text))
+  found = overlap(compiled)
+  return StepReport(tuple(lines), found.counts(), flops_of(compiled), found)
 
 
 def flops_of(compiled) -> float | None:

@@ -290,11 +290,13 @@ def _unknown(wire_dtype, where: str):
 
 
 def wire_format(wire_dtype, dtype, block_size: int = DEFAULT_BLOCK_SIZE, *,
-                where: str = "wire_dtype") -> WireFormat | None:
+                where: str = "wire_dtype", op: str | None = None) -> WireFormat | None:
   """The format for ``wire_dtype`` on ``dtype`` data; None where it sends ``dtype`` unchanged
   (None, or ``dtype`` itself). ``wire_dtype`` is a name, a dtype, or a :class:`WireFormat`
   (which brings its own block size: a different ``block_size`` conflicts with it). The one
-  place a wire format argument is read: errors name ``where``."""
+  place a wire format argument is read: errors name ``where``. ``op``: the reduction the
+  data goes to; a max or a min is never rounded (it selects one device's value, and a
+  rounded one matches none), so a format that changes the data is a ValueError there."""
   if wire_dtype is None:
     return None
   if isinstance(wire_dtype, WireFormat):
@@ -313,6 +315,10 @@ def wire_format(wire_dtype, dtype, block_size: int = DEFAULT_BLOCK_SIZE, *,
     raise ValueError(f"{where}={name!r} compresses floating data; x has dtype {dtype.name}")
   if not fmt.scaled and dtype.itemsize <= fmt.dtype.itemsize:
     raise ValueError(f"{where}={name!r} is not smaller than x's dtype {dtype.name}")
+  if op in ("max", "min"):
+    raise ValueError(f"{where}={name!r} with op={op!r}: a {op} selects one device's value, "
+                     f"and a rounded one matches none (nor what lax.p{op} gives); a max or a "
+                     f"min travels exact: pass {where}=None")
   return fmt
 
 

@@ -44,15 +44,11 @@ def _one_sided(lhs: Local, rhs: Local, lc, rc, cl, cr, out_piece: float) -> list
     if isinstance(split, int) and split in mine and other is None:
       pair = (split, theirs[mine.index(split)])
       pair = pair if split == cl else pair[::-1]
-      piece = _nbytes(lhs.value if whole is rhs else rhs.value)
+      piece = (lhs if whole is rhs else rhs).nbytes
       if whole.given and piece <= out_piece:
         return [(None, None)]
       return [pair, (None, None)]
   return []
-
-
-def _nbytes(value) -> float:
-  return float(np.prod(np.shape(value))) * np.dtype(value.dtype).itemsize
 
 
 def _summed_later(ev, a: str, others, out_bytes: float, involved: int) -> float:

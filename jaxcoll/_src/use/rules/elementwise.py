@@ -143,15 +143,11 @@ def _reduced_first(ev, eqn, keep, ins, arrays) -> frozenset:
     if not split:
       continue
     n = ev.sizes[a]
-    gather = sum(_nbytes(x.value) for x in split) * (n - 1)
-    scatter = sum(_nbytes(x.value) for x, _ in partial) * (n - 1) / n
+    gather = sum(x.nbytes for x in split) * (n - 1)
+    scatter = sum(x.nbytes for x, _ in partial) * (n - 1) / n
     if scatter < gather:
       out.add(a)
   return frozenset(out)
-
-
-def _nbytes(value) -> int:
-  return int(np.prod(np.shape(value))) * np.dtype(value.dtype).itemsize
 
 
 def _elementwise_piece(ev, eqn, ins, shape):
