@@ -116,3 +116,18 @@ def test_the_reader_refuses_what_is_no_module():
   with pytest.raises(ValueError, match="ENTRY"):
     hlo.parse("not HLO")
   assert np.isclose(hlo.nbytes("(f32[2,3]{1,0}, bf16[4])"), 24 + 8)
+
+
+def test_bad_arguments_are_errors_naming_them():
+  with pytest.raises(TypeError, match="compiled="):
+    jaxcoll.tools.overlap(42)
+  with pytest.raises(TypeError, match="peak_flops="):
+    jaxcoll.tools.overlap(GPU_STYLE, peak_flops=1e15)
+  with pytest.raises(ValueError, match=r"peak_flops\['f32'\]"):
+    jaxcoll.tools.overlap(GPU_STYLE, peak_flops={"f32": 0})
+  with pytest.raises(ValueError, match="profile"):
+    jaxcoll.tools.overlap(GPU_STYLE, profile="no-such-preset")
+  twice = jaxcoll.tools.overlap(GPU_STYLE, peak_flops={"f32": 2 * 494.7e12})
+  once = jaxcoll.tools.overlap(GPU_STYLE)
+  assert sum(t.gemm_seconds for t in twice.transfers) == pytest.approx(
+      sum(t.gemm_seconds for t in once.transfers) / 2)

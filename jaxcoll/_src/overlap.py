@@ -34,9 +34,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Mapping
 
 from jaxcoll._src import hlo
 from jaxcoll._src.auto.profile import ANY_AXIS, Profile
+from jaxcoll._src.checks import number as check_number
 from jaxcoll._src.table import Table
 from jaxcoll._src.units import format_seconds, format_size
 
@@ -147,7 +149,10 @@ def overlap(compiled, *, profile="h100-nvlink", peak_flops=None) -> Overlap:
     An :class:`Overlap`: ``transfers``, ``covered``, ``covered_by_any``, ``hidden``.
 
   Raises:
-    ValueError: text that is no HLO module; a profile that is none.
+    ValueError: text that is no HLO module; a profile that is none; a ``peak_flops`` rate
+      that is not a finite number above 0.
+    TypeError: ``compiled`` that is neither a compiled program nor text; ``peak_flops``
+      that is no mapping of dtype names to numbers.
 
   Example:
     >>> import jax, jax.numpy as jnp, jaxcoll
@@ -155,11 +160,18 @@ def overlap(compiled, *, profile="h100-nvlink", peak_flops=None) -> Overlap:
     >>> jaxcoll.tools.overlap(compiled).transfers   # one device: nothing moves
     ()
   """
+  if not isinstance(compiled, str) and not callable(getattr(compiled, "as_text", None)):
+    raise TypeError(f"overlap(compiled={compiled!r}): expected a compiled program "
+                    "(jax.jit(f).lower(...).compile()) or its as_text()")
   text = compiled if isinstance(compiled, str) else compiled.as_text()
   module = hlo.parse(text)
   found = Profile.resolve(profile, "overlap(profile=...)")
   link = found.link(ANY_AXIS)
-  peak = dict(H100_PEAK_FLOPS if peak_flops is None else peak_flops)
+  if peak_flops is not None and not (isinstance(peak_flops, Mapping) and peak_flops):
+    raise TypeError(f"overlap(peak_flops={peak_flops!r}): expected a mapping of HLO dtype "
+                    "names to flops per second, e.g. {'bf16': 989.4e12}")
+  peak = {dtype: check_number(rate, f"peak_flops[{dtype!r}]", above=0.0) for dtype, rate in
+          (H100_PEAK_FLOPS if peak_flops is None else peak_flops).items()}
   transfers = []
   for comp, runs in module.runs.items():
     sequence = module.computations.get(comp, ())
