@@ -165,6 +165,75 @@ def step_cases(topology: str, n: int):
       out_specs=[P("fsdp", None)] * LAYERS, check_vma=False)), fsdp_args
 
 
+SP_LAYERS, SP_WIDTH, SP_HIDDEN, SP_TOKENS = 4, 4096, 16384, 8192   # the TP-SP blocks
+
+
+def collective_matmul_cases(topology: str, n: int):
+  """``(layout, program, fn, args)``: tensor parallelism with sequence parallelism (Megatron
+  blocks, tokens split over "model" between blocks) under jit, as lax's all_gather and
+  psum_scatter in shard_map, and as jaxcoll's collective matmuls; and the FSDP MLP of
+  :func:`step_cases` with each layer an ``all_gather_matmul`` of its row-split weight."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jaxcoll
+  mesh = topology_mesh(topology, (n,), ("model",))
+  col, row = P(None, "model"), P("model", None)
+  args = ([_typed(mesh, (SP_WIDTH, SP_HIDDEN), col)] * SP_LAYERS,
+          [_typed(mesh, (SP_HIDDEN, SP_WIDTH), row)] * SP_LAYERS,
+          _typed(mesh, (SP_TOKENS, SP_WIDTH), P("model")))
+
+  def step(loss):
+    def run(w1, w2, x):
+      value, (g1, g2) = jax.value_and_grad(loss, (0, 1))(w1, w2, x)
+      return ([a - 0.01 * g for a, g in zip(w1, g1)], [a - 0.01 * g for a, g in zip(w2, g2)],
+              value)
+    return run
+
+  def jitted(w1, w2, x):
+    for a, b in zip(w1, w2):
+      x = jax.lax.with_sharding_constraint(jnp.tanh(x @ a) @ b,
+                                           NamedSharding(mesh, P("model")))
+    return jnp.mean(x ** 2)
+
+  def manual(gather_matmul, matmul_scatter):
+    def loss(w1, w2, x):
+      for a, b in zip(w1, w2):
+        x = matmul_scatter(jnp.tanh(gather_matmul(x, a)), b)
+      return jax.lax.pmean(jnp.mean(x ** 2), "model")
+    return jax.jit(jax.shard_map(
+        step(loss), mesh=mesh, in_specs=([col] * SP_LAYERS, [row] * SP_LAYERS, P("model")),
+        out_specs=([col] * SP_LAYERS, [row] * SP_LAYERS, P()), check_vma=False))
+
+  yield "TP-SP", "jax.jit", jax.jit(step(jitted)), args
+  yield "TP-SP", "lax all_gather, psum_scatter", manual(
+      lambda x, a: jax.lax.all_gather(x, "model", tiled=True) @ a,
+      lambda h, b: jax.lax.psum_scatter(h @ b, "model", tiled=True)), args
+  for bidirectional in (False, True):
+    yield "TP-SP", "all_gather_matmul" + (" bidirectional" if bidirectional else ""), manual(
+        lambda x, a, d=bidirectional: jaxcoll.all_gather_matmul(
+            "sk,kn->sn", x, a, "model", dim="s", bidirectional=d),
+        lambda h, b, d=bidirectional: jaxcoll.matmul_reduce_scatter(
+            "sf,fn->sn", h, b, "model", dim="s", bidirectional=d)), args
+
+  fsdp_mesh = topology_mesh(topology, (n,), ("fsdp",))
+
+  def fsdp(params, x):
+    def loss(params):
+      h = x
+      for w in params:
+        h = jnp.tanh(jaxcoll.all_gather_matmul("bk,kn->bn", h, w, "fsdp", dim="k", operand=1))
+      return jax.lax.pmean(jnp.mean(h ** 2), "fsdp")
+    return [w - 0.01 * g for w, g in zip(params, jax.grad(loss)(params))]
+  yield "FSDP", "all_gather_matmul", jax.jit(jax.shard_map(
+      fsdp, mesh=fsdp_mesh, in_specs=([P("fsdp", None)] * LAYERS, P("fsdp")),
+      out_specs=[P("fsdp", None)] * LAYERS, check_vma=False)), (
+          [_typed(fsdp_mesh, (WIDTH, WIDTH), P("fsdp", None))] * LAYERS,
+          _typed(fsdp_mesh, (n * ROWS, WIDTH), P("fsdp")))
+
+
 def model_cases(topology: str, n: int):
   """``(layout, program, fn, args)``: the MaxText-style decoder step of
   ``tests/maxtext_decoder.py`` (logical axis rules, ``nn.scan`` + ``nn.remat``, AdamW) on
@@ -246,6 +315,7 @@ def stage_compile(dry: bool, topologies=tuple(TOPOLOGIES), steps: bool = True,
                      **_compile(fn, args)})
     if steps:
       for layout, program, fn, args in (*step_cases(topology, n),
+                                         *collective_matmul_cases(topology, n),
                                          *(() if dry else model_cases(topology, n))):
         rows.append({"topology": name, "layout": layout, "program": program,
                      **_compile(fn, args)})

@@ -69,3 +69,20 @@ def test_use_stays_within_jits_peak_memory(rows):
   for r in rows:
     if r["program"] == "use(ring)" and r["layout"] in ("DP", "FSDP"):
       assert r["peak_bytes"] <= 1.1 * jit[r["topology"], r["layout"]], r
+
+
+def test_collective_matmuls_run_beside_their_gemms(rows):
+  """jaxcoll's all_gather_matmul / matmul_reduce_scatter (one direction): every transfer
+  byte beside a GEMM, at least 0.9x jit's covered fraction and at least jit's estimated
+  hidden time on the same step (tensor + sequence parallel); the FSDP MLP whose layers are
+  all_gather_matmuls >= 0.75 covered (jit's own: about 0.04)."""
+  jit = {(r["topology"], r["layout"]): r for r in rows if r["program"] == "jax.jit"}
+  seen = 0
+  for r in rows:
+    if r["program"] == "all_gather_matmul":
+      base = jit[r["topology"], r["layout"]]
+      assert r["covered"] >= max(0.75, 0.9 * base["covered"]), (r, base)
+      if r["layout"] == "TP-SP":
+        assert r["hidden"] >= base["hidden"], (r, base)
+      seen += 1
+  assert seen == 4
