@@ -170,7 +170,8 @@ SP_LAYERS, SP_WIDTH, SP_HIDDEN, SP_TOKENS = 4, 4096, 16384, 8192   # the TP-SP b
 
 def collective_matmul_cases(topology: str, n: int):
   """``(layout, program, fn, args)``: tensor parallelism with sequence parallelism (Megatron
-  blocks, tokens split over "model" between blocks) under jit, as lax's all_gather and
+  blocks, tokens split over "model" between blocks) under jit, under ``use`` (its gathers
+  and reduce-scatters run as collective matmuls on a GPU), as lax's all_gather and
   psum_scatter in shard_map, and as jaxcoll's collective matmuls; and the FSDP MLP of
   :func:`step_cases` with each layer an ``all_gather_matmul`` of its row-split weight."""
   import jax
@@ -208,6 +209,8 @@ def collective_matmul_cases(topology: str, n: int):
         out_specs=([col] * SP_LAYERS, [row] * SP_LAYERS, P()), check_vma=False))
 
   yield "TP-SP", "jax.jit", jax.jit(step(jitted)), args
+  yield "TP-SP", "use", jaxcoll.use(step(jitted)), args
+  yield "TP-SP", "use(ring)", jaxcoll.use(step(jitted), algorithm="ring"), args
   yield "TP-SP", "lax all_gather, psum_scatter", manual(
       lambda x, a: jax.lax.all_gather(x, "model", tiled=True) @ a,
       lambda h, b: jax.lax.psum_scatter(h @ b, "model", tiled=True)), args

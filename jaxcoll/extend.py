@@ -25,6 +25,7 @@ names of the lax collective and of auto among the schedules (:data:`NATIVE`,
 step's transfers run beside (:func:`overlap`, :class:`Overlap`).
 """
 
+from jaxcoll._src.auto.cost import native_equivalents
 from jaxcoll._src.auto.dispatch import NATIVE_MARGIN, check_choice, replaces
 from jaxcoll._src.auto.dispatch import offered as offered_algorithm
 from jaxcoll._src.axes import index as axis_index
@@ -99,6 +100,7 @@ __all__ = (
     "low_precision",
     "make_varying",
     "mesh_shape",
+    "native_equivalents",
     "normalize_axes",
     "offered_algorithm",
     "overlap",

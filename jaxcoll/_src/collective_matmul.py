@@ -84,7 +84,8 @@ def _slice(x, term: str, letter: str, start, size: int):
 
 def all_gather_matmul(subscripts: str, x, y, axis_name, *, dim: str, operand: int = 0,
                       bidirectional: bool = False, algorithm: str = "auto",
-                      precision=None, preferred_element_type=None) -> jax.Array:
+                      precision=None, preferred_element_type=None,
+                      return_gathered: bool = False):
   """``jnp.einsum(subscripts, x, y)`` with operand ``operand`` all-gathered first (tiled, over
   ``axis_name``, along its dimension of letter ``dim``), as N-1 ring steps each beside the
   einsum of the chunk in hand.
@@ -107,9 +108,13 @@ def all_gather_matmul(subscripts: str, x, y, axis_name, *, dim: str, operand: in
       GPU scheduler hides one transfer beside the GEMM, not both; docs/guide/overlap.md).
     algorithm: the :func:`jaxcoll.shift` algorithm of each step.
     precision, preferred_element_type: as ``jnp.einsum``'s.
+    return_gathered: also return the gathered operand (assembled from the chunks as they
+      pass, no transfer more; as PyTorch's ``fused_all_gather_matmul`` returns it), for a
+      later reader such as the backward pass's matmul.
 
   Returns:
-    ``jnp.einsum(subscripts, x, y)`` on the gathered operand: varying over ``axis_name``.
+    ``jnp.einsum(subscripts, x, y)`` on the gathered operand: varying over ``axis_name``;
+    with ``return_gathered``, the pair (that, the gathered operand).
 
   Raises:
     ValueError: at trace time, naming the argument: subscripts that are not an explicit
@@ -149,8 +154,9 @@ def all_gather_matmul(subscripts: str, x, y, axis_name, *, dim: str, operand: in
     return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=dtype)
 
   directions = _directions(bidirectional, size, f"operand {operand}'s dim {dim!r}")
+  checks.flag(return_gathered, "return_gathered")
   if n == 1:
-    return einsum(x, y)
+    return (einsum(x, y), operands[operand]) if return_gathered else einsum(x, y)
   piece = size // len(directions)
   operands = [make_varying(v, axes) for v in operands]
   me = axes_lib.index(axes)
@@ -168,27 +174,36 @@ def all_gather_matmul(subscripts: str, x, y, axis_name, *, dim: str, operand: in
   held = [_slice(operands[operand], terms[operand], letter, k * piece, piece)
           for k in range(len(directions))]
 
-  def add(acc, chunk, source, k):
-    """acc with the product of ``chunk`` (piece k of device ``source``'s operand)."""
+  gathered = []
+  if return_gathered:
+    gathered = [make_varying(jnp.zeros(whole, operands[operand].dtype), tuple(sorted(varying)))]
+  axis = terms[operand].index(letter)
+
+  def add(acc, gathered, chunk, source, k):
+    """acc with the product of ``chunk`` (piece k of device ``source``'s operand), and
+    the chunk in its place among the gathered where they are kept."""
     start = source * size + k * piece
+    gathered = [lax.dynamic_update_slice_in_dim(g, chunk, start, axis) for g in gathered]
     pair = [chunk, chunk]
     pair[other] = _slice(operands[other], terms[other], letter, start, piece)
     part = einsum(*pair, dtype if contracted else preferred_element_type)
     if contracted:
-      return acc + part.astype(dtype)
-    return lax.dynamic_update_slice_in_dim(acc, part.astype(dtype), start, out.index(letter))
+      return acc + part.astype(dtype), gathered
+    return lax.dynamic_update_slice_in_dim(acc, part.astype(dtype), start,
+                                           out.index(letter)), gathered
 
   def step(t, carry):
-    acc, held = carry
+    acc, gathered, held = carry
     nxt = [shift(h, axes, d, algorithm=algorithm) for h, d in zip(held, directions)]
     for k, (h, d) in enumerate(zip(held, directions)):
-      acc = add(acc, h, (me - d * t) % n, k)
-    return acc, nxt
+      acc, gathered = add(acc, gathered, h, (me - d * t) % n, k)
+    return acc, gathered, nxt
 
-  acc, held = lax.fori_loop(0, n - 1, step, (acc, held))
+  acc, gathered, held = lax.fori_loop(0, n - 1, step, (acc, gathered, held))
   for k, (h, d) in enumerate(zip(held, directions)):
-    acc = add(acc, h, (me - d * (n - 1)) % n, k)
-  return acc.astype(result.dtype)
+    acc, gathered = add(acc, gathered, h, (me - d * (n - 1)) % n, k)
+  acc = acc.astype(result.dtype)
+  return (acc, gathered[0]) if return_gathered else acc
 
 
 def matmul_reduce_scatter(subscripts: str, x, y, axis_name, *, dim: str,

@@ -10,7 +10,8 @@ from jaxcoll._src.use.rewrite import rewrite
 
 
 def use(fun: Callable | None = None, *, algorithm="auto", wire_dtype=None, profile=None,
-        axes=None, in_shardings=None, out_shardings=None, strict: bool = False):
+        axes=None, in_shardings=None, out_shardings=None, strict: bool = False,
+        collective_matmul: bool | None = None):
   """Runs ``fun``'s lax collectives as jaxcoll collectives (a function transformation).
 
   Every ``psum`` (and its invariant form; ``pmean`` is a psum and a divide), ``pmax``,
@@ -54,6 +55,11 @@ def use(fun: Callable | None = None, *, algorithm="auto", wire_dtype=None, profi
       step computes them (a jitted ``fun``'s own ``out_shardings`` where it has them).
     strict: refuse (ValueError naming the equation and its source line) an equation whose
       split inputs have no per-device rule, instead of gathering them whole.
+    collective_matmul: where a global program gathers an operand of a matmul over one axis,
+      run the gather and the matmul as :func:`jaxcoll.all_gather_matmul` (ring steps each
+      beside a partial matmul, which a GPU runs at once); None: where the backend the step
+      is compiled for runs transfers beside compute (not the CPU, whose collectives are
+      synchronous), and never for a gather sent on a lossy wire.
 
   Returns:
     The function, same pytrees in and out; ``.lower(*args)`` lowers it as that call runs,
@@ -64,13 +70,14 @@ def use(fun: Callable | None = None, *, algorithm="auto", wire_dtype=None, profi
     ValueError: an axis not in the mesh, shardings that are no prefix of the arguments,
       ``axes`` leaving out a shard_map's axes, inputs on different meshes (at the call),
       an equation refused under ``strict``. TypeError: ``fun`` that is not callable, a
-      ``strict`` that is no bool.
+      ``strict`` or ``collective_matmul`` that is no bool.
 
   Example:
     >>> step = jaxcoll.use(train_step, algorithm="ring")   # doctest: +SKIP
     >>> params, loss = step(params, batch)   # arrays laid out on a mesh   # doctest: +SKIP
   """
-  opts = Options(algorithm, wire_dtype, profile, axes, in_shardings, out_shardings, strict)
+  opts = Options(algorithm, wire_dtype, profile, axes, in_shardings, out_shardings, strict,
+                 collective_matmul)
   if fun is None:
     return lambda f: rewrite(_callable(f), opts)
   return rewrite(_callable(fun), opts)

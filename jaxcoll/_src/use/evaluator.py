@@ -336,43 +336,61 @@ class Evaluator:
   def headed_for(self, scope: _Scope, var, place: Placement) -> Placement:
     """The placement the sum in ``var`` will be needed in: following its consumers through
     equations that keep it a sum of the same shape (a scale, a negation, an add of another
-    sum), the first that meets a value of known, split placement (an FSDP parameter, or its
-    optimizer state) or a sharding annotation that splits it (the transpose of an FSDP
+    sum) and through transposes (a weight gradient's ``x^T dy``), the first that meets a
+    value of known, split placement (an FSDP parameter, or its optimizer state) or a
+    sharding annotation that splits it (the transpose of an FSDP
     layer's ``reshard(w, P())``) splits it the same way, as far as the sum's own axes go
     (the rest is sliced for free where it meets that value); else whole (an all-reduce).
     Whichever value's reading makes the sums whole, each lands where it is headed: the
     order of two annotations changes nothing."""
     consumers = self._consumers(scope)
-    frontier, seen = [var], set()
+    frontier, seen = [(var, tuple(range(place.ndim)))], set()
     while frontier:
-      v = frontier.pop(0)
+      v, order = frontier.pop(0)   # v's dimension i is var's dimension order[i]
       if v in seen:
         continue
       seen.add(v)
+      here = Placement(tuple(place.dims[d] for d in order), place.partial)
       for eqn in consumers.get(v, ()):
-        target = asked(self, eqn)   # a sharding annotation: where the sum is moved to
-        if target is not None:
-          target = _within(target, place.partial | place.sharded)
-          if target.sharded and all(not place.dims[d] or place.dims[d] == target.dims[d]
-                                    for d in range(place.ndim)):
-            return target
-          continue
-        if eqn.primitive.name not in ELEMENTWISE:
-          continue
-        for other in eqn.invars:
-          if other is v or isinstance(other, jax.extend.core.Literal):
-            continue
-          known = self._known_place(scope, other)
-          if known is not None and known.ndim == place.ndim and not known.partial:
-            known = Placement(tuple(a if n == m else () for a, n, m in   # lax broadcasts 1s
-                                    zip(known.dims, other.aval.shape, v.aval.shape)))
-            target = _within(known, place.partial | place.sharded)
-            if target.sharded and all(not place.dims[d] or place.dims[d] == target.dims[d]
-                                      for d in range(place.ndim)):
-              return target
-        if keeps_partial(eqn):
-          frontier += [o for o in eqn.outvars if getattr(o.aval, "shape", ()) == v.aval.shape]
+        found = self._headed_at(scope, eqn, v, here)
+        if found is not None:
+          dims = [()] * place.ndim
+          for i, d in enumerate(order):
+            dims[d] = found.dims[i]
+          return Placement(tuple(dims))
+        if eqn.primitive.name == "transpose":   # a weight gradient's x^T dy, transposed
+          frontier.append((eqn.outvars[0],
+                           tuple(order[i] for i in eqn.params["permutation"])))
+        elif eqn.primitive.name in ELEMENTWISE and asked(self, eqn) is None and \
+            keeps_partial(eqn):
+          frontier += [(o, order) for o in eqn.outvars
+                       if getattr(o.aval, "shape", ()) == v.aval.shape]
     return place.whole()
+
+  def _headed_at(self, scope: _Scope, eqn, v, place: Placement) -> Placement | None:
+    """Where ``eqn``, a reader of the sum ``v`` (placed ``place``), splits it: a sharding
+    annotation that splits it, or an elementwise partner of known, split placement; None
+    where it says nothing (:meth:`headed_for`)."""
+    def fits(target):
+      return target.sharded and all(not place.dims[d] or place.dims[d] == target.dims[d]
+                                    for d in range(place.ndim))
+    target = asked(self, eqn)   # a sharding annotation: where the sum is moved to
+    if target is not None:
+      target = _within(target, place.partial | place.sharded)
+      return target if fits(target) else None
+    if eqn.primitive.name not in ELEMENTWISE:
+      return None
+    for other in eqn.invars:
+      if other is v or isinstance(other, jax.extend.core.Literal):
+        continue
+      known = self._known_place(scope, other)
+      if known is not None and known.ndim == place.ndim and not known.partial:
+        known = Placement(tuple(a if n == m else () for a, n, m in   # lax broadcasts 1s
+                                zip(known.dims, other.aval.shape, v.aval.shape)))
+        target = _within(known, place.partial | place.sharded)
+        if fits(target):
+          return target
+    return None
 
   def _known_place(self, scope: _Scope, var, depth: int = 8) -> Placement | None:
     """``var``'s placement if computed, or read off the elementwise equation that makes it
@@ -465,14 +483,22 @@ def _within(place: Placement, axes) -> Placement:
   return Placement(tuple(dims))
 
 
-def options_for(opts) -> Callable:
-  """The collectives' keyword arguments under ``use``'s options: the algorithm each primitive
-  gets, and the wire format where ``use`` compresses (``opts.wire_for``)."""
-  def options(primitive: str, axes, dtype, op: str = "sum", size: int | None = None,
-              gradient: bool = True) -> dict:
-    return {"algorithm": opts.algorithm_for(primitive, tuple(axes)),
-            **opts.wire_for(primitive, dtype, op, size, gradient)}
-  return options
+class options_for:   # noqa: N801 (a function of the options, with one more question)
+  """The collectives' keyword arguments under ``use``'s options: called, the algorithm each
+  primitive gets and the wire format where ``use`` compresses (``opts.wire_for``);
+  :meth:`matmul`, whether a gather and the matmul reading it run as one collective matmul
+  (``opts.matmul_for``)."""
+
+  def __init__(self, opts):
+    self.opts = opts
+
+  def __call__(self, primitive: str, axes, dtype, op: str = "sum", size: int | None = None,
+               gradient: bool = True) -> dict:
+    return {"algorithm": self.opts.algorithm_for(primitive, tuple(axes)),
+            **self.opts.wire_for(primitive, dtype, op, size, gradient)}
+
+  def matmul(self, primitive: str, axes, dtype, size: int, gradient: bool = True):
+    return self.opts.matmul_for(primitive, tuple(axes), dtype, size, gradient)
 
 
 def input_places(leaves, manual: Sequence[str], given=None) -> list[Placement]:

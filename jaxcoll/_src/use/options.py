@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcoll._src.auto.profile import Profile
+from jaxcoll._src.compat import target_backend
 from jaxcoll._src.schedules.algorithms import algorithms
 from jaxcoll._src.spec import PRIMITIVES
 from jaxcoll._src.use.gradient_sums import stack, vary
@@ -18,6 +19,7 @@ from jaxcoll.extend import (
   check_choice,
   check_flag,
   compresses,
+  native_equivalents,
   offered_algorithm,
   record_where,
   wire_format,
@@ -28,7 +30,7 @@ class Options:
   """What ``use`` was asked for: the algorithm per primitive, the wire format, the profile."""
 
   def __init__(self, algorithm, wire_dtype, profile, axes=None, in_shardings=None,
-               out_shardings=None, strict: bool = False):
+               out_shardings=None, strict: bool = False, collective_matmul=None):
     if isinstance(algorithm, Mapping):
       for p, a in algorithm.items():
         check_choice(p, a, "use(algorithm=...)")
@@ -51,6 +53,8 @@ class Options:
     self.in_flat = None   # the arguments' own shardings, flat (concrete arrays: rewrite)
     self.memory = None    # output leaf -> declared host-memory sharding (rewrite fills it)
     self.strict = check_flag(strict, "use(strict=...)")
+    self.collective_matmul = None if collective_matmul is None else check_flag(
+        collective_matmul, "use(collective_matmul=...)")
     self.casts = True   # pvary as jaxcoll's vary (False inside a global program's shard_map)
 
   def algorithm_for(self, primitive: str, axes: tuple[str, ...]):
@@ -60,6 +64,29 @@ class Options:
     if isinstance(self.algorithm, dict):
       return self.algorithm.get(primitive, "auto")
     return offered_algorithm(primitive, self.algorithm, len(axes))
+
+  def matmul_for(self, primitive: str, axes: tuple[str, ...], dtype, size: int,
+                 gradient: bool = True) -> dict | None:
+    """The keyword arguments of the collective matmul (:func:`jaxcoll.all_gather_matmul`,
+    :func:`jaxcoll.matmul_reduce_scatter`) where ``use`` runs a matmul and the
+    ``primitive`` ("all_gather" of an operand, "reduce_scatter" of the product; ``dtype``,
+    ``size`` values) over ``axes`` together, None where it runs them apart: asked so
+    (``collective_matmul``), or by default on a backend whose collectives are synchronous
+    (the CPU: no start/done pair, nothing runs beside a transfer, so N-1 partial matmuls
+    would only cost); never where the collective travels on a lossy wire (the collective
+    matmul's steps are exact) or where the primitive was asked for an algorithm other than
+    auto or the one NCCL runs for it (``native_like``: the ring, whose traffic the collective
+    matmul has; its loop's steps are single permutes, which XLA's scheduler puts beside the
+    partial products). The one place ``use`` decides it."""
+    on = self.collective_matmul
+    if on is None:
+      on = target_backend() != "cpu"
+    asked = self.algorithm_for(primitive, axes)
+    ring_like = asked in ("auto", SCHEDULE, *native_equivalents(primitive))
+    if not on or not ring_like or self.wire_for(primitive, dtype, size=size,
+                                                gradient=gradient):
+      return None
+    return {"algorithm": "native"}   # the ring is the loop's: each step one permute
 
   def wire_for(self, primitive: str, dtype, op: str = "sum", size: int | None = None,
                gradient: bool = True) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcoll._src.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jaxcoll._src.collectives import all_reduce
 from jaxcoll._src.use.placement import Local, Placement, slicer_of
 
@@ -145,15 +146,104 @@ def _dot_general(ev, eqn, ins):
       summed.add(a)
     (keep_l if keep == "l" else keep_r if keep == "r" else set()).add(a)
   ldims, rdims = [tuple(x) for x in ldims], [tuple(x) for x in rdims]
-  values = [ev.to(lhs, Placement(tuple(ldims), frozenset(keep_l))),
-            ev.to(rhs, Placement(tuple(rdims), frozenset(keep_r)))]
+  targets = (Placement(tuple(ldims), frozenset(keep_l)), Placement(tuple(rdims), frozenset(keep_r)))
   out_dims = [ldims[d] for d in lb] + [ldims[d] for d in lfree] + [rdims[d] for d in rfree]
-  out = Local(ev.bind(eqn, values)[0],
-              Placement(tuple(out_dims), frozenset(keep_l | keep_r | summed)))
+  place = Placement(tuple(out_dims), frozenset(keep_l | keep_r | summed))
+  value = _gathered_beside(ev, eqn, (lhs, rhs), targets)
+  if value is None:
+    values = [ev.to(lhs, targets[0]), ev.to(rhs, targets[1])]
+    scattered = _scattered_beside(ev, eqn, values, place) if not keep_l | keep_r else None
+    if scattered is not None:
+      return [Local(*scattered)]
+    value = ev.bind(eqn, values)[0]
+  out = Local(value, place)
   if not out.place.partial and not L.partial and not R.partial:
     out.slicer = slicer_of(_dot_piece(ev, eqn, (lhs, ldims, lb, lfree), (rhs, rdims, rb, rfree)),
                            ins)
   return [out]
+
+
+def _gathered_beside(ev, eqn, operands, targets):
+  """The product as :func:`jaxcoll.all_gather_matmul` where exactly one operand moves, by a
+  gather of one dimension over one axis (its minor one), and ``use`` runs such a gather beside
+  the matmul (:meth:`Options.matmul_for`); None otherwise, or where the gathered value is
+  at hand already (another reader gathered it). The ring's steps then run beside the
+  partial products, which a GPU overlaps (docs/guide/overlap.md); the gathered operand,
+  assembled as its chunks pass, is kept for later readers as a gather's result is (the
+  backward pass's matmul reads it; where none does, it is dead code and dropped)."""
+  if ev.comm.abstract:
+    return None
+  moving = [k for k, (x, t) in enumerate(zip(operands, targets)) if x.place != t]
+  if len(moving) != 1:
+    return None
+  k = moving[0]
+  x, target = operands[k], targets[k]
+  changed = [d for d, (a, b) in enumerate(zip(x.place.dims, target.dims)) if a != b]
+  if x.place.partial or target.partial or len(changed) != 1:
+    return None
+  d = changed[0]
+  now, then = x.place.dims[d], target.dims[d]
+  if now[:-1] != then or (x.key, x.place, target) in ev.scopes[-1].moved:
+    return None
+  asked = ev.comm.options.matmul("all_gather", (now[-1],), x.value.dtype,
+                                 int(np.size(x.value)))
+  if asked is None:
+    return None
+  ls, rs, out = _subscripts(eqn)
+  values = [x.value if i == k else ev.to(v, t)
+            for i, (v, t) in enumerate(zip(operands, targets))]
+  y, gathered = all_gather_matmul(f"{ls},{rs}->{out}", *values, (now[-1],),
+                                  dim=(ls, rs)[k][d], operand=k, return_gathered=True,
+                                  **_einsum_params(eqn), **asked)
+  ev.scopes[-1].moved[(x.key, x.place, target)] = gathered   # later readers (the backward's)
+  return y.astype(eqn.outvars[0].aval.dtype)
+
+
+def _scattered_beside(ev, eqn, values, place: Placement):
+  """The product and its placement as :func:`jaxcoll.matmul_reduce_scatter` where it is a
+  sum over one axis headed (:meth:`Evaluator.headed_for`) for a split of one output dimension
+  over that axis, and ``use`` runs such a reduce-scatter beside the matmul
+  (:meth:`Options.matmul_for`); None otherwise."""
+  if ev.comm.abstract or len(place.partial) != 1:
+    return None
+  (a,) = place.partial
+  var = eqn.outvars[0]
+  local = ev.local_shape(var.aval.shape, place)
+  asked = ev.comm.options.matmul("reduce_scatter", (a,), var.aval.dtype,
+                                 int(np.prod(local)), gradient=var in ev.gradients)
+  if asked is None:
+    return None
+  target = ev.headed_for(ev.scopes[-1], var, place)
+  changed = [d for d, (x, y) in enumerate(zip(place.dims, target.dims)) if x != y]
+  if target.partial or len(changed) != 1 or \
+      target.dims[changed[0]] != place.dims[changed[0]] + (a,) or \
+      local[changed[0]] % ev.sizes[a]:
+    return None
+  d = changed[0]
+  ls, rs, out = _subscripts(eqn)
+  y = matmul_reduce_scatter(f"{ls},{rs}->{out}", *values, (a,), dim=out[d],
+                            **_einsum_params(eqn), **asked)
+  return y.astype(var.aval.dtype), target
+
+
+def _subscripts(eqn) -> tuple[str, str, str]:
+  """``dot_general``'s dimension numbers as einsum subscripts (lhs, rhs, output)."""
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  nl, nr = len(eqn.invars[0].aval.shape), len(eqn.invars[1].aval.shape)
+  letters = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+  ls = [next(letters) for _ in range(nl)]
+  rs = [None] * nr
+  for a, b in (*zip(lc, rc), *zip(lb, rb)):
+    rs[b] = ls[a]
+  rs = [c or next(letters) for c in rs]
+  out = [ls[a] for a in lb] + [ls[a] for a in range(nl) if a not in lc and a not in lb] + \
+      [rs[b] for b in range(nr) if b not in rc and b not in rb]
+  return "".join(ls), "".join(rs), "".join(out)
+
+
+def _einsum_params(eqn) -> dict:
+  return {"precision": eqn.params.get("precision"),
+          "preferred_element_type": eqn.params.get("preferred_element_type")}
 
 
 def _dot_piece(ev, eqn, left, right):
