@@ -5,7 +5,8 @@ float32), on 8 devices over one axis "data":
   --processes 1: 8 CPU devices in one process;
   --processes 2: 2 processes x 4 devices on loopback, gloo (jaxcoll.launch).
 Timed side by side (``jaxcoll.tools.interleaved``: rounds in rotated order,
-medians): per-leaf ``lax.pmean``; ``jaxcoll.sync_gradients`` (auto, ring, int8 wire);
+medians): per-leaf ``lax.pmean``; ``lax.pmean`` of DDP's buckets (1 MiB, then 25 MiB);
+``jaxcoll.sync_gradients`` (auto, ring, int8 wire);
 per-leaf ``jaxcoll.all_reduce(op="mean")`` (auto, ring). Columns: collectives in the
 compiled HLO (all-reduce ops + collective-permutes, loops counted once), median time, and
 the ratio to per-leaf lax.pmean. Process 0 prints a markdown table.
@@ -41,6 +42,29 @@ import statistics
 SHAPES = [(256,)] * 150 + [(64, 64)] * 46 + [(512, 512)] * 4
 
 
+def per_bucket_pmean(leaves, axis):
+  """``lax.pmean`` of DDP's buckets (sync_gradients' defaults): the leaves, last first,
+  packed flat into a first bucket of 1 MiB and then buckets of 25 MiB, one pmean each."""
+  import jax.numpy as jnp
+  from jax import lax
+  order, buckets, size = list(reversed(range(len(leaves)))), [[]], 0
+  for i in order:
+    limit = 2**20 if len(buckets) == 1 else 25 * 2**20
+    if buckets[-1] and size + leaves[i].nbytes > limit:
+      buckets.append([])
+      size = 0
+    buckets[-1].append(i)
+    size += leaves[i].nbytes
+  out = [None] * len(leaves)
+  for bucket in buckets:
+    flat = lax.pmean(jnp.concatenate([leaves[i].ravel() for i in bucket]), axis)
+    start = 0
+    for i in bucket:
+      out[i] = flat[start:start + leaves[i].size].reshape(leaves[i].shape)
+      start += leaves[i].size
+  return out
+
+
 def child(args) -> int:
   import jax
   import numpy as np
@@ -66,6 +90,7 @@ def child(args) -> int:
 
   ways = {
       "per-leaf lax.pmean": lambda t: [lax.pmean(g, "data") for g in t],
+      "per-bucket lax.pmean": lambda t: per_bucket_pmean(t, "data"),
       "sync_gradients (auto)": lambda t: jaxcoll.sync_gradients(t, "data"),
       "sync_gradients (ring)": lambda t: jaxcoll.sync_gradients(t, "data", algorithm="ring"),
       "sync_gradients (ring, int8 wire)": lambda t: jaxcoll.sync_gradients(

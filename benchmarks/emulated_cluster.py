@@ -158,6 +158,9 @@ def main(argv=None) -> int:
   parser.add_argument("--iters", type=int, default=5)
   parser.add_argument("--calibrate", default=None, metavar="SIZES",
                       help="calibrate on the emulated cluster first (auto uses that profile)")
+  parser.add_argument("--devices-per-process", type=int, default=4,
+                      help="CPU devices in each namespace's process (the bench's mesh is "
+                           "2 x 4; a command after -- may take 1: one device a node)")
   parser.add_argument("--timeout", type=float, default=5400)
   parser.add_argument("command", nargs="*", help="after --: run this as the two ranks instead")
   args = parser.parse_args(argv)
@@ -171,12 +174,17 @@ def main(argv=None) -> int:
   signal.signal(signal.SIGTERM, _interrupt)   # so the namespaces are deleted on kill too
   rows = []
   with tempfile.TemporaryDirectory() as tmp, Namespaces(args.rate) as ns:
-    ranks = dict(processes=2, devices_per_process=4, timeout=args.timeout,
+    ranks = dict(processes=2, devices_per_process=args.devices_per_process,
+                 timeout=args.timeout,
                  coordinator=f"{ns.addresses[0]}:29500", rank_prefix=[ns.prefix(0), ns.prefix(1)],
                  local_addresses=list(ns.addresses))
     if args.command:
-      print(f"## 2 nodes x 4 CPU devices, link {args.rate} each way (tbf)", flush=True)
+      print(f"## 2 nodes x {args.devices_per_process} CPU devices, link {args.rate} each "
+            "way (tbf)", flush=True)
       return launch(args.command, **ranks)
+    if args.devices_per_process != 4:
+      raise SystemExit("--devices-per-process: the bench's 2 x 4 mesh needs 4; other counts "
+                       "are for a command after --")
     for op in args.ops.split(","):
       valid = jaxcoll.algorithms(op, num_axes=2)
       algos = [a for a in args.algorithms.split(",") if a in valid or a == "auto"]

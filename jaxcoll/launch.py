@@ -186,8 +186,9 @@ def launch_script(script: str, argv: Sequence[str] | None = None, processes: int
 
 def benchmark(parser, child, script: str, argv: Sequence[str] | None = None) -> int:
   """What every benchmark with ``--processes 1|2`` shares: adds ``--processes``, ``--init``,
-  ``--timeout`` and the hidden ``--child`` to ``parser``; with 1 process runs
-  ``child(args)`` here on 8 CPU devices; with 2, re-runs ``script`` as 2 ranks x 4 devices
+  ``--devices-per-process``, ``--timeout`` and the hidden ``--child`` to ``parser``; with 1
+  process runs ``child(args)`` here on 8 CPU devices; with 2, re-runs ``script`` as 2 ranks
+  x ``--devices-per-process`` devices (default 4)
   (:func:`launch_script`), each of which joins the job and runs ``child(args)``: through
   :func:`jaxcoll.distributed.initialize` (``--init jaxcoll``), or as most programs do, by
   calling ``jax.distributed.initialize`` alone with the job's coordinator, size and rank
@@ -196,11 +197,14 @@ def benchmark(parser, child, script: str, argv: Sequence[str] | None = None) -> 
   parser.add_argument("--init", default="jaxcoll", choices=("jaxcoll", "jax"),
                       help="how each rank joins the job: jaxcoll.distributed.initialize, or "
                            "plain jax.distributed.initialize")
+  parser.add_argument("--devices-per-process", type=int, default=4,
+                      help="CPU devices each of the 2 ranks has")
   parser.add_argument("--timeout", type=float, default=3000)
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.processes > 1 and not args.child:
-    return launch_script(script, argv, processes=2, devices_per_process=4, timeout=args.timeout)
+    return launch_script(script, argv, processes=2,
+                         devices_per_process=args.devices_per_process, timeout=args.timeout)
   if args.processes > 1 and args.init == "jax":
     import jax
     jax.distributed.initialize(coordinator_address=os.environ[ENV_COORDINATOR],

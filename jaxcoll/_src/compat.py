@@ -52,6 +52,10 @@ that moves one fails there first, loudly, instead of somewhere deep in a collect
   0.12's CPU compiler keeps the order; 0.10.2's drops the barrier's unused operand and
   combines the two all-reduces into one (``sync_gradients``' lax buckets then reduce
   together, as before; ``tests/test_training.py`` holds each version to its count).
+- ``GLOO_REDUCES_OPERANDS_TOGETHER``: whether the CPU runtime runs a combined (many-operand)
+  all-reduce across processes as one exchange. jaxlib 0.12's does (200 gradient leaves,
+  2 processes over gloo: 29 ms, ``benchmarks/bench_grad_sync.py --processes 2``); 0.10.2's
+  runs one gloo all-reduce per operand (1,141 ms), so there ``sync_gradients`` packs.
 
 - ``shard_map_specs_after``: a ``jax.shard_map`` whose ``out_specs`` are known only once
   its body is traced. ``jax.shard_map`` reads ``out_specs`` after it traces the body (to
@@ -89,6 +93,7 @@ JAX_VERSION = _version(JAX_VERSION_TEXT)
 REMAT_COLLECTIVES_STAY_SEPARATE = JAX_VERSION >= (0, 12)
 BARRIERS_KEEP_UPDATES_IN_PLACE = JAX_VERSION >= (0, 12)
 BARRIERS_ORDER_COLLECTIVES = JAX_VERSION >= (0, 12)
+GLOO_REDUCES_OPERANDS_TOGETHER = JAX_VERSION >= (0, 12)
 # jax 0.12's pallas_call registers Triton's GPU lowering only (Mosaic GPU kernels go through
 # plgpu.kernel there); jax 0.10's lowers a pallas_call with Mosaic GPU compiler params
 PALLAS_CALL_LOWERS_MOSAIC_GPU = JAX_VERSION < (0, 12)
