@@ -7,7 +7,9 @@ Every program compiles (every primitive x algorithm, hierarchical, the ring all_
 every wire format, the training steps); the ring steps under ``use`` hold no collective but
 the schedules' permutes; XLA's own data-parallel step overlaps its all-reduces with GEMMs
 (the yardstick the overlap work measures against); ``use``'s data-parallel and FSDP steps
-stay within 1.1x of jit's peak memory per device."""
+stay within 1.2x and 1.1x of jit's peak memory per device; the collective matmuls run
+beside their GEMMs (tensor + sequence parallel, FSDP), and ``use(algorithm="ring")``'s
+data-parallel and tensor-parallel sums have their reduce-scatter half beside them."""
 
 from __future__ import annotations
 
@@ -63,12 +65,18 @@ def test_xlas_data_parallel_step_overlaps_its_all_reduces(rows):
       assert r["covered"] >= 0.5 and r["hidden"] > 0, r
 
 
+# peak memory use(ring) may hold over jit's: DP's weight gradients reduce-scattered beside
+# their matmuls layer by layer, then gathered, hold more at once than jit's all-reduces
+# (measured 1.07x on 1x8, 1.17x on 2x8); FSDP 1.1x
+PEAK_OVER_JIT = {"DP": 1.2, "FSDP": 1.1}
+
+
 def test_use_stays_within_jits_peak_memory(rows):
   jit = {(r["topology"], r["layout"]): r["peak_bytes"] for r in rows
          if r["program"] == "jax.jit"}
   for r in rows:
-    if r["program"] == "use(ring)" and r["layout"] in ("DP", "FSDP"):
-      assert r["peak_bytes"] <= 1.1 * jit[r["topology"], r["layout"]], r
+    if r["program"] == "use(ring)" and r["layout"] in PEAK_OVER_JIT:
+      assert r["peak_bytes"] <= PEAK_OVER_JIT[r["layout"]] * jit[r["topology"], r["layout"]], r
 
 
 def test_collective_matmuls_run_beside_their_gemms(rows):
@@ -90,3 +98,16 @@ def test_collective_matmuls_run_beside_their_gemms(rows):
       seen.add((r["layout"], r["program"]))
   assert seen == {("TP-SP", "all_gather_matmul"), ("TP-SP", "use"), ("TP-SP", "use(ring)"),
                   ("FSDP", "all_gather_matmul"), ("FSDP", "use(ring)")}, seen
+
+
+def test_use_rings_on_matmul_sums_run_half_beside_the_matmul(rows):
+  """``use(algorithm="ring")`` on the data-parallel and Megatron steps: each weight
+  gradient's (and each row-parallel product's) sum is reduce-scattered beside the matmul's
+  pieces, then gathered: about half the bytes beside GEMMs (a ring loop alone was 0.00),
+  and the tensor-parallel step at least 0.9x jit's covered fraction."""
+  jit = {(r["topology"], r["layout"]): r for r in rows if r["program"] == "jax.jit"}
+  for r in rows:
+    if r["program"] == "use(ring)" and r["layout"] in ("DP", "TP"):
+      assert r["covered"] >= 0.45, r
+      if r["layout"] == "TP":
+        assert r["covered"] >= 0.9 * jit[r["topology"], "TP"]["covered"], r

@@ -57,18 +57,39 @@ def _fsdp(layers=3):
   return step, (ws, x)
 
 
+def _dp(layers=3):
+  """A data-parallel MLP: weights replicated, the batch split over "data"; SGD."""
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  step, (ws, x) = _fsdp(layers)
+  ws = [jax.device_put(w, NamedSharding(mesh, P())) for w in ws]
+  return step, (ws, jax.device_put(x, NamedSharding(mesh, P("data"))))
+
+
 def _hlo(fn, args) -> str:
   return jax.jit(fn).lower(*args).as_text()
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("case", [_tp_sp, _fsdp])
-def test_values_and_gradients_equal_jits(case):
+@pytest.mark.parametrize("case", [_tp_sp, _fsdp, _dp])
+@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+def test_values_and_gradients_equal_jits(case, algorithm):
   step, args = case()
   want = jax.jit(step)(*args)
   for asked in (True, False):
-    got = jaxcoll.use(step, collective_matmul=asked)(*args)
+    got = jaxcoll.use(step, collective_matmul=asked, algorithm=algorithm)(*args)
     assert_close_after_sums(got, want, terms=64)
+
+
+@pytest.mark.quick
+def test_a_sum_headed_whole_is_a_ring_beside_the_matmul_only_where_a_schedule_was_asked():
+  """A data-parallel weight gradient (a sum headed whole): under algorithm="ring" its
+  reduce-scatter half runs beside the matmul's pieces, then an all_gather (2 loops a layer);
+  under auto it stays XLA's all-reduce, which XLA's scheduler hides beside other GEMMs."""
+  step, args = _dp(layers=3)
+  ring = _hlo(jaxcoll.use(step, algorithm="ring", collective_matmul=True), args)
+  assert "all_reduce" not in ring and ring.count("stablehlo.while") >= 2 * 3
+  auto = _hlo(jaxcoll.use(step, collective_matmul=True), args)
+  assert auto == _hlo(jaxcoll.use(step, collective_matmul=False), args)
 
 
 @pytest.mark.quick
@@ -105,6 +126,8 @@ def test_the_decision_is_made_in_one_place():
   assert asked.matmul_for("all_gather", ("x",), jnp.float32, 4096) == {"algorithm": "native"}
   ring = Options("ring", None, None, collective_matmul=True)
   assert ring.matmul_for("reduce_scatter", ("x",), jnp.float32, 4096) is not None
+  assert ring.matmul_for("all_reduce", ("x",), jnp.float32, 4096) is not None
+  assert asked.matmul_for("all_reduce", ("x",), jnp.float32, 4096) is None   # auto: XLA's
   other = Options({"all_gather": "bruck"}, None, None, collective_matmul=True)
   assert other.matmul_for("all_gather", ("x",), jnp.float32, 4096) is None
   lossy = Options("auto", "int8", None, collective_matmul=True)

@@ -69,20 +69,25 @@ class Options:
                  gradient: bool = True) -> dict | None:
     """The keyword arguments of the collective matmul (:func:`jaxcoll.all_gather_matmul`,
     :func:`jaxcoll.matmul_reduce_scatter`) where ``use`` runs a matmul and the
-    ``primitive`` ("all_gather" of an operand, "reduce_scatter" of the product; ``dtype``,
-    ``size`` values) over ``axes`` together, None where it runs them apart: asked so
-    (``collective_matmul``), or by default on a backend whose collectives are synchronous
-    (the CPU: no start/done pair, nothing runs beside a transfer, so N-1 partial matmuls
-    would only cost); never where the collective travels on a lossy wire (the collective
-    matmul's steps are exact) or where the primitive was asked for an algorithm other than
-    auto or the one NCCL runs for it (``native_like``: the ring, whose traffic the collective
-    matmul has; its loop's steps are single permutes, which XLA's scheduler puts beside the
-    partial products). The one place ``use`` decides it."""
+    ``primitive`` over ``axes`` together ("all_gather" of an operand, "reduce_scatter" or
+    "all_reduce" of the product; ``dtype``, ``size`` values), None where it runs them apart:
+    asked so (``collective_matmul``), or by default on a backend whose collectives are
+    synchronous (the CPU: no start/done pair, nothing runs beside a transfer, so N-1 partial
+    matmuls would only cost); never where the collective travels on a lossy wire (the
+    collective matmul's steps are exact) or where the primitive was asked for an algorithm
+    other than auto or the one NCCL runs for it (``native_like``: the ring, whose traffic the
+    collective matmul has; its loop's steps are single permutes, which XLA's scheduler puts
+    beside the partial products). An all_reduce runs so (its reduce-scatter half beside the
+    matmul, then an all_gather) only where a schedule was asked: under auto it stays XLA's
+    own, which XLA's scheduler hides beside the rest of the step. The one place ``use``
+    decides it."""
     on = self.collective_matmul
     if on is None:
       on = target_backend() != "cpu"
     asked = self.algorithm_for(primitive, axes)
     ring_like = asked in ("auto", SCHEDULE, *native_equivalents(primitive))
+    if primitive == "all_reduce" and asked == "auto":
+      ring_like = False   # XLA's own all-reduce hides beside other GEMMs, not half of it
     if not on or not ring_like or self.wire_for(primitive, dtype, size=size,
                                                 gradient=gradient):
       return None

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcoll._src.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from jaxcoll._src.collectives import all_reduce
+from jaxcoll._src.collectives import all_gather, all_reduce
 from jaxcoll._src.use.placement import Local, Placement, slicer_of
 
 # ---- dot_general ----
@@ -200,30 +200,42 @@ def _gathered_beside(ev, eqn, operands, targets):
 
 
 def _scattered_beside(ev, eqn, values, place: Placement):
-  """The product and its placement as :func:`jaxcoll.matmul_reduce_scatter` where it is a
-  sum over one axis headed (:meth:`Evaluator.headed_for`) for a split of one output dimension
-  over that axis, and ``use`` runs such a reduce-scatter beside the matmul
-  (:meth:`Options.matmul_for`); None otherwise."""
+  """The product and its placement where it is a sum over one axis and ``use`` runs its
+  reduction beside the matmul (:meth:`Options.matmul_for`): headed
+  (:meth:`Evaluator.headed_for`) for a split of one output dimension over that axis, as
+  :func:`jaxcoll.matmul_reduce_scatter`; headed whole, as that along its largest dimension
+  the axis divides, then an all_gather (an all-reduce as a ring's two halves, the first
+  beside the matmul's pieces). None otherwise."""
   if ev.comm.abstract or len(place.partial) != 1:
     return None
   (a,) = place.partial
   var = eqn.outvars[0]
   local = ev.local_shape(var.aval.shape, place)
-  asked = ev.comm.options.matmul("reduce_scatter", (a,), var.aval.dtype,
-                                 int(np.prod(local)), gradient=var in ev.gradients)
-  if asked is None:
-    return None
   target = ev.headed_for(ev.scopes[-1], var, place)
   changed = [d for d, (x, y) in enumerate(zip(place.dims, target.dims)) if x != y]
-  if target.partial or len(changed) != 1 or \
+  whole = target == place.whole()
+  if whole:
+    fits = [d for d in range(len(local)) if local[d] % ev.sizes[a] == 0]
+    changed = [max(fits, key=lambda d: local[d])] if fits else []
+  elif target.partial or len(changed) != 1 or \
       target.dims[changed[0]] != place.dims[changed[0]] + (a,) or \
       local[changed[0]] % ev.sizes[a]:
+    return None
+  if not changed:
+    return None
+  asked = ev.comm.options.matmul("all_reduce" if whole else "reduce_scatter", (a,),
+                                 var.aval.dtype, int(np.prod(local)),
+                                 gradient=var in ev.gradients)
+  if asked is None:
     return None
   d = changed[0]
   ls, rs, out = _subscripts(eqn)
   y = matmul_reduce_scatter(f"{ls},{rs}->{out}", *values, (a,), dim=out[d],
-                            **_einsum_params(eqn), **asked)
-  return y.astype(var.aval.dtype), target
+                            **_einsum_params(eqn), **asked).astype(var.aval.dtype)
+  if whole:
+    y = ev.comm.run(all_gather, "all_gather", y, (a,), axis=d, tiled=True,
+                    gradient=var in ev.gradients)
+  return y, target
 
 
 def _subscripts(eqn) -> tuple[str, str, str]:
