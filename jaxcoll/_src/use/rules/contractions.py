@@ -211,6 +211,11 @@ def _scattered_beside(ev, eqn, values, place: Placement):
   (a,) = place.partial
   var = eqn.outvars[0]
   local = ev.local_shape(var.aval.shape, place)
+  asked = {p: ev.comm.options.matmul(p, (a,), var.aval.dtype, int(np.prod(local)),
+                                     gradient=var in ev.gradients)
+           for p in ("reduce_scatter", "all_reduce")}
+  if not any(asked.values()):   # the CPU's default: no walk to where the sum is headed
+    return None
   target = ev.headed_for(ev.scopes[-1], var, place)
   changed = [d for d, (x, y) in enumerate(zip(place.dims, target.dims)) if x != y]
   whole = target == place.whole()
@@ -221,17 +226,13 @@ def _scattered_beside(ev, eqn, values, place: Placement):
       target.dims[changed[0]] != place.dims[changed[0]] + (a,) or \
       local[changed[0]] % ev.sizes[a]:
     return None
-  if not changed:
-    return None
-  asked = ev.comm.options.matmul("all_reduce" if whole else "reduce_scatter", (a,),
-                                 var.aval.dtype, int(np.prod(local)),
-                                 gradient=var in ev.gradients)
-  if asked is None:
+  options = asked["all_reduce" if whole else "reduce_scatter"]
+  if not changed or options is None:
     return None
   d = changed[0]
   ls, rs, out = _subscripts(eqn)
   y = matmul_reduce_scatter(f"{ls},{rs}->{out}", *values, (a,), dim=out[d],
-                            **_einsum_params(eqn), **asked).astype(var.aval.dtype)
+                            **_einsum_params(eqn), **options).astype(var.aval.dtype)
   if whole:
     y = ev.comm.run(all_gather, "all_gather", y, (a,), axis=d, tiled=True,
                     gradient=var in ev.gradients)
