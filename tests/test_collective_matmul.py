@@ -42,10 +42,12 @@ SCATTERS = {
 }
 
 
-# every axis size 1-8; the oldest-jax leg runs four of them
-SIZES = [pytest.param(n, marks=pytest.mark.quick) if n in (1, 3, 4, 8) else n
-         for n in range(1, 9)]
-VMA = [(True, False), (True, True), (False, False)]   # (check_vma, bidirectional)
+
+# (n, check_vma, bidirectional): every axis size typed and one way, four of them on the
+# oldest-jax leg; both ways and untyped on two sizes
+CASES = [pytest.param(n, True, False, marks=pytest.mark.quick) if n in (1, 3, 4, 8)
+         else (n, True, False) for n in range(1, 9)] + \
+    [(n, v, b) for n in (3, 4) for v, b in ((True, True), (False, False))]
 
 
 def _global(shape, spec, n, key):
@@ -61,8 +63,7 @@ def _stacked(out_spec):
 
 
 @pytest.mark.parametrize("name", sorted(GATHERS))
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("check_vma, bidirectional", VMA)
+@pytest.mark.parametrize("n, check_vma, bidirectional", CASES)
 def test_all_gather_matmul_equals_lax_all_gather_then_einsum(name, n, bidirectional,
                                                             check_vma):
   subscripts, dim, (operand, axis), shapes, in_specs, _ = GATHERS[name]
@@ -91,8 +92,7 @@ def _terms(subscripts, args):
 
 
 @pytest.mark.parametrize("name", sorted(SCATTERS))
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("check_vma, bidirectional", VMA)
+@pytest.mark.parametrize("n, check_vma, bidirectional", CASES)
 def test_matmul_reduce_scatter_equals_the_dense_product_scattered(name, n, bidirectional,
                                                                  check_vma):
   subscripts, dim, shapes, in_specs = SCATTERS[name]
