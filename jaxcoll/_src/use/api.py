@@ -56,10 +56,12 @@ def use(fun: Callable | None = None, *, algorithm="auto", wire_dtype=None, profi
     strict: refuse (ValueError naming the equation and its source line) an equation whose
       split inputs have no per-device rule, instead of gathering them whole.
     collective_matmul: where a global program gathers an operand of a matmul over one axis,
-      run the gather and the matmul as :func:`jaxcoll.all_gather_matmul` (ring steps each
-      beside a partial matmul, which a GPU runs at once); None: where the backend the step
-      is compiled for runs transfers beside compute (not the CPU, whose collectives are
-      synchronous), and never for a gather sent on a lossy wire.
+      or reduce-scatters a matmul's sum, run the pair as :func:`jaxcoll.all_gather_matmul`
+      or :func:`jaxcoll.matmul_reduce_scatter` (ring steps each beside a partial matmul,
+      which a GPU runs at once; a sum headed whole too, as those two halves, where a
+      schedule was asked); None: where the backend the step is compiled for runs transfers
+      beside compute (not the CPU, whose collectives are synchronous). Never for a
+      collective sent on a lossy wire, or asked for an algorithm other than a ring.
 
   Returns:
     The function, same pytrees in and out; ``.lower(*args)`` lowers it as that call runs,

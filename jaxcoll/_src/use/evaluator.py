@@ -233,7 +233,7 @@ class Evaluator:
       local = self.derive(local)
       if local.place == place:
         return local.value
-    key = (local.key, local.place, place)   # once per value and placement: many readers
+    key = _moved_key(local, place)   # once per value and placement: many readers
     if key not in scope.moved:
       if local.slicer is not None and local.finer(place):
         scope.moved[key] = local.slicer(place)
@@ -241,6 +241,16 @@ class Evaluator:
       else:
         scope.moved[key] = redistribute(local.value, local.place, place, self.comm)
     return scope.moved[key]
+
+  def moved(self, local: Local, place: Placement):
+    """``local``'s value at ``place`` where a reader moved it there already (or a rule made
+    it there, :meth:`keep_moved`), else None; no collective."""
+    return self.scopes[-1].moved.get(_moved_key(local, place))
+
+  def keep_moved(self, local: Local, place: Placement, value) -> None:
+    """``value`` is ``local`` at ``place``, made by a rule that moved it itself (a collective
+    matmul's gathered operand): :meth:`to` reads it back for later readers."""
+    self.scopes[-1].moved[_moved_key(local, place)] = value
 
   def _split_from_here(self, scope: _Scope, local: Local, place: Placement, piece) -> None:
     """A value this program computes whole, read split (its piece made by its slicer), is
@@ -252,7 +262,7 @@ class Evaluator:
       return
     split = dataclasses.replace(local, value=piece, place=place, kept=None)
     scope.env[var] = split
-    scope.moved[(local.key, place, local.place)] = local.value
+    scope.moved[_moved_key(split, local.place)] = local.value
 
   def flush(self, scope: _Scope, wanted: dict | None = None) -> None:
     """Every partial sum waiting in ``scope`` that is still to be read made whole (or split
@@ -467,6 +477,11 @@ class Evaluator:
                     f"no per-device rule for these layouts ({reason}); without strict it runs "
                     "on whole inputs (gathered)")
     record_note(ReportLine.WHOLE, eqn.primitive.name, reason)
+
+
+def _moved_key(local: Local, place: Placement) -> tuple:
+  """What a value moved to ``place`` is kept under in a region (:meth:`Evaluator.to`)."""
+  return local.key, local.place, place
 
 
 def _within(place: Placement, axes) -> Placement:

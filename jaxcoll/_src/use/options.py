@@ -84,12 +84,11 @@ class Options:
     on = self.collective_matmul
     if on is None:
       on = target_backend() != "cpu"
-    asked = self.algorithm_for(primitive, axes)
-    ring_like = asked in ("auto", SCHEDULE, *native_equivalents(primitive))
-    if primitive == "all_reduce" and asked == "auto":
-      ring_like = False   # XLA's own all-reduce hides beside other GEMMs, not half of it
-    if not on or not ring_like or self.wire_for(primitive, dtype, size=size,
-                                                gradient=gradient):
+    rings = (SCHEDULE, *native_equivalents(primitive))
+    if primitive != "all_reduce":   # auto keeps XLA's all-reduce: hidden whole, not half
+      rings += ("auto",)
+    if not on or self.algorithm_for(primitive, axes) not in rings or \
+        self.wire_for(primitive, dtype, size=size, gradient=gradient):
       return None
     return {"algorithm": "native"}   # the ring is the loop's: each step one permute
 

@@ -183,7 +183,7 @@ def _gathered_beside(ev, eqn, operands, targets):
     return None
   d = changed[0]
   now, then = x.place.dims[d], target.dims[d]
-  if now[:-1] != then or (x.key, x.place, target) in ev.scopes[-1].moved:
+  if now[:-1] != then or ev.moved(x, target) is not None:
     return None
   asked = ev.comm.options.matmul("all_gather", (now[-1],), x.value.dtype,
                                  int(np.size(x.value)))
@@ -195,7 +195,7 @@ def _gathered_beside(ev, eqn, operands, targets):
   y, gathered = all_gather_matmul(f"{ls},{rs}->{out}", *values, (now[-1],),
                                   dim=(ls, rs)[k][d], operand=k, return_gathered=True,
                                   **_einsum_params(eqn), **asked)
-  ev.scopes[-1].moved[(x.key, x.place, target)] = gathered   # later readers (the backward's)
+  ev.keep_moved(x, target, gathered)   # for later readers (the backward pass's matmul)
   return y.astype(eqn.outvars[0].aval.dtype)
 
 
