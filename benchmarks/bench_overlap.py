@@ -6,7 +6,8 @@ halves alone, side by side (``jaxcoll.tools.interleaved``, medians):
 - probe: a chain of ``--gemms`` matmuls of ``--width`` x ``--width`` float32 on one input,
   and, independent of it, a chain of ``--permutes`` ring ``lax.ppermute``s of ``--mib`` MiB
   on another; "both" runs the two in one program;
-- step: a data-parallel MLP step (``--layers`` x ``--width``, ``--rows`` rows a device),
+- step: a data-parallel step of ``gpu_compile.mlp`` (``--layers`` x ``--width``, ``--rows``
+  rows a device),
   its gradients summed with ``lax.pmean`` per leaf (XLA's own) or with
   ``jaxcoll.sync_gradients`` (auto); "compute" is the step without the sum, "comm" the sum
   of gradient-shaped buffers alone.
@@ -23,7 +24,12 @@ one after the other, 1 when the shorter is hidden entirely.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_compile import mlp  # noqa: E402  (the model of the compiled steps)
 
 
 def child(args) -> int:
@@ -74,12 +80,7 @@ def child(args) -> int:
   x = put((args.rows, args.width))
 
   def grads(ws, x):
-    def loss(ws):
-      h = x
-      for w in ws:
-        h = jnp.tanh(h @ w)
-      return jnp.mean(h ** 2)
-    return jax.grad(loss)(ws)
+    return jax.grad(mlp)(ws, x)
 
   syncs = {"lax.pmean per leaf": lambda g: [lax.pmean(v, "x") for v in g],
            "jaxcoll.sync_gradients (auto)": lambda g: jaxcoll.sync_gradients(g, "x")}

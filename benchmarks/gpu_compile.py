@@ -95,7 +95,8 @@ def collective_cases(mesh, two_level):
            *on(mesh, collective("all_reduce", "ring", "x", wire_dtype=wire)))
 
 
-def _mlp(params, x):
+def mlp(params, x):
+  """The steps' model: ``tanh(x @ w)`` for each w, the mean square as the loss."""
   import jax.numpy as jnp
   for w in params:
     x = jnp.tanh(x @ w)
@@ -103,11 +104,12 @@ def _mlp(params, x):
 
 
 def _sgd(loss):
+  """A step of SGD on ``loss(params, x)``, ``params`` any pytree: (new params, loss)."""
   import jax
 
   def step(params, x):
     value, grads = jax.value_and_grad(loss)(params, x)
-    return [w - 0.01 * g for w, g in zip(params, grads)], value
+    return jax.tree.map(lambda w, g: w - 0.01 * g, params, grads), value
   return step
 
 
@@ -121,7 +123,7 @@ def step_cases(topology: str, n: int):
   dp = topology_mesh(topology, (n,), ("data",))
   tp = topology_mesh(topology, (n // 4, 4), ("data", "model"))
   fsdp_mesh = topology_mesh(topology, (n,), ("fsdp",))
-  step = _sgd(_mlp)
+  step = _sgd(mlp)
   ws = lambda mesh, specs: [_typed(mesh, (WIDTH, WIDTH), s) for s in specs]   # noqa: E731
 
   dp_args = (ws(dp, [P()] * LAYERS), _typed(dp, (n * ROWS, WIDTH), P("data")))
@@ -131,7 +133,7 @@ def step_cases(topology: str, n: int):
 
   def synced(params, x):   # each layer's gradient all-reduced as backward reaches it
     def loss(params, x):
-      return _mlp([jaxcoll.sync_in_backward(w, "data", algorithm="ring") for w in params], x)
+      return mlp([jaxcoll.sync_in_backward(w, "data", algorithm="ring") for w in params], x)
     grads = jax.grad(loss)(params, x)
     return [w - 0.01 * g for w, g in zip(params, grads)]
   yield "DP", "sync_in_backward(ring)", jax.jit(jax.shard_map(
@@ -182,35 +184,28 @@ def collective_matmul_cases(topology: str, n: int):
   import jaxcoll
   mesh = topology_mesh(topology, (n,), ("model",))
   col, row = P(None, "model"), P("model", None)
-  args = ([_typed(mesh, (SP_WIDTH, SP_HIDDEN), col)] * SP_LAYERS,
-          [_typed(mesh, (SP_HIDDEN, SP_WIDTH), row)] * SP_LAYERS,
+  blocks = ([col] * SP_LAYERS, [row] * SP_LAYERS)   # (w1 column-, w2 row-parallel)
+  args = (([_typed(mesh, (SP_WIDTH, SP_HIDDEN), col)] * SP_LAYERS,
+           [_typed(mesh, (SP_HIDDEN, SP_WIDTH), row)] * SP_LAYERS),
           _typed(mesh, (SP_TOKENS, SP_WIDTH), P("model")))
 
-  def step(loss):
-    def run(w1, w2, x):
-      value, (g1, g2) = jax.value_and_grad(loss, (0, 1))(w1, w2, x)
-      return ([a - 0.01 * g for a, g in zip(w1, g1)], [a - 0.01 * g for a, g in zip(w2, g2)],
-              value)
-    return run
-
-  def jitted(w1, w2, x):
-    for a, b in zip(w1, w2):
+  def jitted(params, x):
+    for a, b in zip(*params):
       x = jax.lax.with_sharding_constraint(jnp.tanh(x @ a) @ b,
                                            NamedSharding(mesh, P("model")))
     return jnp.mean(x ** 2)
 
   def manual(gather_matmul, matmul_scatter):
-    def loss(w1, w2, x):
-      for a, b in zip(w1, w2):
+    def loss(params, x):
+      for a, b in zip(*params):
         x = matmul_scatter(jnp.tanh(gather_matmul(x, a)), b)
       return jax.lax.pmean(jnp.mean(x ** 2), "model")
-    return jax.jit(jax.shard_map(
-        step(loss), mesh=mesh, in_specs=([col] * SP_LAYERS, [row] * SP_LAYERS, P("model")),
-        out_specs=([col] * SP_LAYERS, [row] * SP_LAYERS, P()), check_vma=False))
+    return jax.jit(jax.shard_map(_sgd(loss), mesh=mesh, in_specs=(blocks, P("model")),
+                                 out_specs=(blocks, P()), check_vma=False))
 
-  yield "TP-SP", "jax.jit", jax.jit(step(jitted)), args
-  yield "TP-SP", "use", jaxcoll.use(step(jitted)), args
-  yield "TP-SP", "use(ring)", jaxcoll.use(step(jitted), algorithm="ring"), args
+  yield "TP-SP", "jax.jit", jax.jit(_sgd(jitted)), args
+  yield "TP-SP", "use", jaxcoll.use(_sgd(jitted)), args
+  yield "TP-SP", "use(ring)", jaxcoll.use(_sgd(jitted), algorithm="ring"), args
   yield "TP-SP", "lax all_gather, psum_scatter", manual(
       lambda x, a: jax.lax.all_gather(x, "model", tiled=True) @ a,
       lambda h, b: jax.lax.psum_scatter(h @ b, "model", tiled=True)), args

@@ -49,7 +49,6 @@ def summed(kind: str, n: int):
 
 def main() -> int:
   import jax
-  import jax.numpy as jnp
   from jax.sharding import PartitionSpec as P
 
   import jaxcoll
@@ -67,12 +66,8 @@ def main() -> int:
   for kind in ("psum", "direct reduce_scatter + all_gather", "independent permutes",
                "lax psum_scatter + all_gather"):
     def step(params, x, kind=kind):
-      def loss(params):
-        h = x
-        for w in params:
-          h = jnp.tanh(h @ summed(kind, n)(w))
-        return jnp.mean(h ** 2)
-      return [w - 0.01 * g for w, g in zip(params, jax.grad(loss)(params))]
+      grads = jax.grad(lambda ps: gpu_compile.mlp([summed(kind, n)(w) for w in ps], x))(params)
+      return [w - 0.01 * g for w, g in zip(params, grads)]
     fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=([P()] * layers, P("data")),
                                out_specs=[P()] * layers, check_vma=False))
     found = jaxcoll.tools.overlap(fn.lower(ws, x).compile())

@@ -197,14 +197,19 @@ def benchmark(parser, child, script: str, argv: Sequence[str] | None = None) -> 
   parser.add_argument("--init", default="jaxcoll", choices=("jaxcoll", "jax"),
                       help="how each rank joins the job: jaxcoll.distributed.initialize, or "
                            "plain jax.distributed.initialize")
-  parser.add_argument("--devices-per-process", type=int, default=4,
-                      help="CPU devices each of the 2 ranks has")
+  parser.add_argument("--devices-per-process", type=int, default=None,
+                      help="CPU devices each of the 2 ranks has (default 4)")
   parser.add_argument("--timeout", type=float, default=3000)
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.devices_per_process is not None and (args.processes == 1
+                                               or args.devices_per_process < 1):
+    parser.error(f"--devices-per-process {args.devices_per_process}: a positive count, for "
+                 "--processes 2 (one process has 8 devices)")
   if args.processes > 1 and not args.child:
     return launch_script(script, argv, processes=2,
-                         devices_per_process=args.devices_per_process, timeout=args.timeout)
+                         devices_per_process=args.devices_per_process or 4,
+                         timeout=args.timeout)
   if args.processes > 1 and args.init == "jax":
     import jax
     jax.distributed.initialize(coordinator_address=os.environ[ENV_COORDINATOR],

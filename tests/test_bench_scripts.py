@@ -51,3 +51,10 @@ def test_per_bucket_pmean_is_per_leaf_pmean():
   for g, w in zip(got, want, strict=True):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert g.dtype == w.dtype == jnp.float32
+
+
+def test_devices_per_process_without_a_second_process_is_refused_by_name():
+  done = subprocess.run([sys.executable, os.path.join(BENCH, "bench_overlap.py"),
+                         "--devices-per-process", "2"], capture_output=True, text=True,
+                        timeout=120)
+  assert done.returncode == 2 and "--devices-per-process 2" in done.stderr, done.stderr
