@@ -6,7 +6,7 @@ float32), on 8 devices over one axis "data":
   --processes 2: 2 processes x 4 devices on loopback, gloo (jaxcoll.launch).
 Timed side by side (``jaxcoll.tools.interleaved``: rounds in rotated order,
 medians): per-leaf ``lax.pmean``; ``lax.pmean`` of DDP's buckets (1 MiB, then 25 MiB);
-``jaxcoll.sync_gradients`` (auto, ring, int8 wire);
+``jaxcoll.sync_gradients`` (auto, native, ring, int8 wire);
 per-leaf ``jaxcoll.all_reduce(op="mean")`` (auto, ring). Columns: collectives in the
 compiled HLO (all-reduce ops + collective-permutes, loops counted once), median time, and
 the ratio to per-leaf lax.pmean. Process 0 prints a markdown table.
@@ -92,6 +92,8 @@ def child(args) -> int:
       "per-leaf lax.pmean": lambda t: [lax.pmean(g, "data") for g in t],
       "per-bucket lax.pmean": lambda t: per_bucket_pmean(t, "data"),
       "sync_gradients (auto)": lambda t: jaxcoll.sync_gradients(t, "data"),
+      "sync_gradients (native)": lambda t: jaxcoll.sync_gradients(t, "data",
+                                                                  algorithm="native"),
       "sync_gradients (ring)": lambda t: jaxcoll.sync_gradients(t, "data", algorithm="ring"),
       "sync_gradients (ring, int8 wire)": lambda t: jaxcoll.sync_gradients(
           t, "data", algorithm="ring", wire_dtype="int8"),

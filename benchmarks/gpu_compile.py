@@ -17,8 +17,9 @@ temporaries); and what each transfer runs beside (:func:`jaxcoll.tools.overlap`:
 covered by GEMMs, and the estimated hidden time). Programs: every primitive x algorithm
 over one axis, hierarchical over two, the ring all_reduce on every wire format (the fused
 combine in its reduce steps), and training steps under plain ``jax.jit``, under
-``jaxcoll.use(algorithm="ring")`` and ``use(wire_dtype="int8")``, ``sync_in_backward``
-and ``fsdp.layer``: a data-parallel MLP, a Megatron data x model MLP, an FSDP MLP.
+``jaxcoll.use(algorithm="ring")`` and ``use(wire_dtype="int8")``, ``sync_in_backward``,
+``fsdp.layer`` and ``fsdp.layers(prefetch=1)``: a data-parallel MLP, a Megatron data x model
+MLP, an FSDP MLP (the FSDP rows also with XLA's overlap limit at 2, "overlap_limit=2").
 """
 
 from __future__ import annotations
@@ -152,19 +153,55 @@ def step_cases(topology: str, n: int):
   yield "FSDP", "use(ring)", jaxcoll.use(step, algorithm="ring"), fsdp_args
   yield "FSDP", "use(int8)", jaxcoll.use(step, wire_dtype="int8"), fsdp_args
 
-  def layered(blocks, x):   # jaxcoll.fsdp.layer per layer: gathers, reduce-scatters
-    dense = jaxcoll.fsdp.layer(lambda w, h: jnp.tanh(h @ w), "fsdp", algorithm="ring")
+  def layered(run):   # FSDP units: gathers, reduce-scatters
+    def train(blocks, x):
+      def loss(blocks):
+        blocks = [jaxcoll.fsdp.Sharded(b, (WIDTH, WIDTH), 0) for b in blocks]
+        return jax.lax.pmean(jnp.mean(run(blocks, x) ** 2), "fsdp")
+      grads = jax.grad(loss)(blocks)
+      return [b - 0.01 * g for b, g in zip(blocks, grads)]
+    return jax.jit(jax.shard_map(
+        train, mesh=fsdp_mesh, in_specs=([P("fsdp", None)] * LAYERS, P("fsdp")),
+        out_specs=[P("fsdp", None)] * LAYERS, check_vma=False))
 
-    def loss(blocks):
-      h = x
+  dense = lambda w, h: jnp.tanh(h @ w)   # noqa: E731
+
+  def one_by_one(algorithm):
+    def run(blocks, h):
       for b in blocks:
-        h = dense(jaxcoll.fsdp.Sharded(b, (WIDTH, WIDTH), 0), h)
-      return jax.lax.pmean(jnp.mean(h ** 2), "fsdp")
-    grads = jax.grad(loss)(blocks)
-    return [b - 0.01 * g for b, g in zip(blocks, grads)]
-  yield "FSDP", "fsdp.layer(ring)", jax.jit(jax.shard_map(
-      layered, mesh=fsdp_mesh, in_specs=([P("fsdp", None)] * LAYERS, P("fsdp")),
-      out_specs=[P("fsdp", None)] * LAYERS, check_vma=False)), fsdp_args
+        h = jaxcoll.fsdp.layer(dense, "fsdp", algorithm=algorithm)(b, h)
+      return h
+    return run
+  for algorithm in ("ring", "auto"):
+    yield "FSDP", f"fsdp.layer({algorithm})", layered(one_by_one(algorithm)), fsdp_args
+  prefetching = layered(jaxcoll.fsdp.layers(dense, "fsdp", prefetch=1))
+  yield "FSDP", "fsdp.layers(prefetch=1)", prefetching, fsdp_args
+  # XLA's GPU scheduler keeps one async collective in flight by default; FSDP's backward
+  # has two to hide per layer (the next layer's gather, this one's reduce-scatter)
+  yield "FSDP", f"jax.jit {OVERLAP_2}", _Overlap2(jax.jit(step)), fsdp_args
+  yield "FSDP", f"fsdp.layers(prefetch=1) {OVERLAP_2}", _Overlap2(prefetching), \
+      fsdp_args
+
+
+OVERLAP_2 = "overlap_limit=2"   # the rows compiled with this XLA option (_Overlap2)
+
+
+class _Overlap2:
+  """``fn`` compiled with XLA's ``--xla_gpu_experimental_parallel_collective_overlap_limit=2``
+  (per program: ``Lowered.compile(compiler_options=...)``, as a user may pass it)."""
+
+  def __init__(self, fn):
+    self.fn = fn
+
+  def lower(self, *args):
+    lowered = self.fn.lower(*args)
+
+    class Lowered:
+      @staticmethod
+      def compile():
+        return lowered.compile(compiler_options={
+            "xla_gpu_experimental_parallel_collective_overlap_limit": 2})
+    return Lowered
 
 
 SP_LAYERS, SP_WIDTH, SP_HIDDEN, SP_TOKENS = 4, 4096, 16384, 8192   # the TP-SP blocks

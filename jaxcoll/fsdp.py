@@ -5,6 +5,7 @@ from jaxcoll._src.training.fsdp import (
   Sharded,
   gather,
   layer,
+  layers,
   place,
   shard,
   specs,
@@ -12,5 +13,5 @@ from jaxcoll._src.training.fsdp import (
 )
 from jaxcoll._src.training.fsdp_step import State, TrainStep, train_step
 
-__all__ = ("Sharded", "State", "TrainStep", "gather", "layer", "place", "shard",
+__all__ = ("Sharded", "State", "TrainStep", "gather", "layer", "layers", "place", "shard",
            "specs", "train_step", "unshard")

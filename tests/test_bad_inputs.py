@@ -247,6 +247,8 @@ INTEGRATION_ARGUMENTS = [
     (lambda v: fsdp.layer(lambda p: p, AXIS, grad_wire_dtype=v), "grad_wire_dtype", BAD_DTYPE),
     (lambda v: fsdp.layer(lambda p: p, AXIS, dtype=v), "dtype",
      st.one_of(BAD_DTYPE, st.sampled_from(["int32", "bool", "uint8"]))),
+    (lambda v: fsdp.layers(lambda p, x: x, AXIS, prefetch=v), "prefetch",
+     st.one_of(st.integers(max_value=-1), NOT_AN_INT)),
     (lambda v: fsdp.shard({"w": np.ones(4)}, v), "num_shards",
      st.one_of(st.integers(max_value=0), NOT_AN_INT)),
     (lambda v: fsdp.shard({"w": np.ones(4)}, 2, axis=v), "axis",

@@ -221,6 +221,119 @@ def test_mlp_trains_as_data_parallel(how):
   assert losses[-1] < losses[0]
 
 
+def stacked(loss_fn, axes, **options):
+  """loss_fn(blocks, batch) with every layer in one fsdp.layers stack (prefetching)."""
+  def loss(shards, batch):
+    x, y = batch
+    fns = [functools.partial(dense, last=i == len(shards) - 1) for i in range(len(shards))]
+    return loss_fn(fsdp.layers(fns, axes, **options)(shards, x), y)
+  return loss
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 5])
+@pytest.mark.parametrize("how", ["flat-ring", "flat-native", "hpZ"])
+def test_prefetching_layers_train_as_data_parallel(prefetch, how):
+  """fsdp.layers over the 3-layer MLP: 10 Adam steps equal one-device data parallel, for every
+  prefetch distance (0: fsdp.layer's order; 5: past the last layer)."""
+  mesh, axes = (tuple_mesh(), TUPLE) if how == "hpZ" else (flat_mesh(), "x")
+  options = ({"secondary_axis": "local"} if how == "hpZ" else
+             {"algorithm": how.split("-")[1]})
+  params = mlp_init(jax.random.key(0))
+  batch = data(jax.random.key(1), (32, 13), (32, 5))
+  tx = optax.adam(1e-2)
+  want = reference(mse, params, batch, tx, 10, 8)
+  loss = stacked(lambda out, y: jnp.mean((out - y) ** 2), axes, prefetch=prefetch, **options)
+  got, losses = train(fsdp.train_step(loss, tx, mesh, axes, gather_params=False), params,
+                      batch, 10)
+  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+  assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("how", ["layer", "layers"])
+def test_layers_gradients_equal_one_gather_of_every_layer(how):
+  """fsdp.layers (one function for every layer) and fsdp.layer per layer, against
+  fsdp.gather of the whole tree then the layers in sequence, on one device's share: the
+  same values and gradients, the input's and an unsharded leaf's too (fsdp.layer gave such
+  a leaf its own value back as its gradient before fsdp.layers)."""
+  params = [block_init(k) for k in jax.random.split(jax.random.key(12), 3)]
+  blocks = [dict(fsdp.shard({k: v for k, v in p.items() if k != "ln"}, 8), ln=p["ln"])
+            for p in params]
+  x = jax.random.normal(jax.random.key(13), (16, 6, 12))
+  spec = [dict(fsdp.specs({k: v for k, v in b.items() if k != "ln"}, "x"), ln=P())
+          for b in blocks]
+
+  def run(loss):
+    f = jax.shard_map(lambda b, x: (loss(b, x)[None], *jax.grad(loss, (0, 1))(b, x)),
+                      mesh=flat_mesh(), in_specs=(spec, P("x")),
+                      out_specs=(P("x"), [dict(s, ln=P("x")) for s in spec], P("x")),
+                      check_vma=False)
+    return jax.jit(f)(blocks, x)
+
+  def ours(b, x):
+    if how == "layers":
+      return jnp.sum(jnp.sin(fsdp.layers(block, "x", prefetch=1)(b, x)))
+    for p in b:
+      x = fsdp.layer(block, "x")(p, x)
+    return jnp.sum(jnp.sin(x))
+
+  def theirs(b, x):
+    for p in fsdp.gather(b, "x"):
+      x = block(p, x)
+    return jnp.sum(jnp.sin(x))
+
+  chex.assert_trees_all_close(run(ours), run(theirs), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_layers_issue_each_gather_prefetch_layers_ahead(prefetch):
+  """The traced order: with native gathers, before layer i's matmul (forward) stand the
+  gathers of layers 0..i+prefetch; in backward, before layer i's recomputed matmul, the
+  re-gathers of layers i-prefetch..L-1 (each behind the barrier that releases it)."""
+  layers_, width = 6, 8
+  params = [{"w": jnp.eye(width)} for _ in range(layers_)]
+  blocks = fsdp.shard(params, 8)
+  stack = fsdp.layers(lambda p, h: jnp.tanh(h @ p["w"]), "x", prefetch=prefetch,
+                      algorithm="native")
+  loss = lambda b, x: jnp.sum(stack(b, x))   # noqa: E731
+  jaxpr = jax.make_jaxpr(jax.shard_map(
+      jax.grad(loss), mesh=flat_mesh(), in_specs=(fsdp.specs(blocks, "x"), P("x")),
+      out_specs=fsdp.specs(blocks, "x"), check_vma=False))(blocks, jnp.ones((8, width)))
+  order = [e.primitive.name for e in _equations(jaxpr.jaxpr)
+           if e.primitive.name in ("all_gather", "dot_general")]
+  gathers_before_dot = [order[:i].count("all_gather") for i, n in enumerate(order)
+                        if n == "dot_general"]
+  forward = [min(i + prefetch + 1, layers_) for i in range(layers_)]
+  # backward, layer by layer from the last: its recomputed matmul, then its two gradient
+  # matmuls; the gathers before them: forward's L, then L - i + prefetch re-gathers
+  backward = [layers_ + min(layers_ - i + prefetch, layers_)
+              for i in reversed(range(layers_)) for _ in range(3)]
+  assert gathers_before_dot == forward + backward
+
+
+def _equations(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs inside it, in program order."""
+  for e in jaxpr.eqns:
+    subs = [v for v in e.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
+    if subs:
+      for sub in subs:
+        yield from _equations(getattr(sub, "jaxpr", sub))
+    else:
+      yield e
+
+
+def test_layers_bad_calls_name_the_argument():
+  stack = fsdp.layers([lambda p, x: x] * 2, "x")
+  blocks = fsdp.shard([{"w": jnp.ones(8)}] * 3, 8)
+  with pytest.raises(ValueError, match="fn holds 2 functions and blocks 3"):
+    jax.shard_map(stack, mesh=flat_mesh(), in_specs=(fsdp.specs(blocks, "x"), P()),
+                  out_specs=P(), check_vma=False)(blocks, jnp.ones(2))
+  with pytest.raises(TypeError, match="blocks of type dict"):
+    stack({"w": blocks[0]}, jnp.ones(2))
+  with pytest.raises(TypeError, match="fn="):
+    fsdp.layers([], "x")
+
+
 @pytest.mark.parametrize("how", ["flat", "hpZ"])
 def test_transformer_blocks_train_as_data_parallel(how):
   mesh, axes = (flat_mesh(), "x") if how == "flat" else (tuple_mesh(), TUPLE)
@@ -365,3 +478,33 @@ def test_peak_memory_is_a_shard_of_the_state_plus_two_layers(algorithm):
   dp_peak = peak_bytes(dp_step, params, tx.init(params), batch)
   assert dp_peak >= 4 * p_bytes
   assert fsdp_peak < dp_peak / (4 if compat.REMAT_COLLECTIVES_STAY_SEPARATE else 2)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "native"])
+def test_prefetch_holds_at_most_one_more_layer_per_unit(algorithm):
+  """fsdp.layers' memory bound: each unit of ``prefetch`` adds one more layer's gather in
+  flight to the step's peak (8 layers, 8 devices, Adam): XLA's own all_gather holds its
+  result (at most one layer's parameters); a schedule's also its loop's buffer while it runs
+  (at most two; measured on jax 0.12.1: 1.25 and 2.25 layers at prefetch 1 and 2, native
+  1.00 and 2.00). prefetch=0 holds at most one layer more than fsdp.layer per layer: a
+  layer's unreduced gradient waits for the next layer's recomputed forward before its
+  reduce-scatter starts (measured 0.63 layers). (jax 0.10.2's XLA keeps every layer gathered
+  from forward to backward whatever the order: no change, see the test above.)"""
+  layers_, width, tokens = 8, 128, 32
+  params = mlp_init(jax.random.key(10), sizes=(width,) * (layers_ + 1))
+  batch = data(jax.random.key(11), (8 * tokens, width), (8 * tokens, width))
+  layer_bytes = sum(v.nbytes for v in jax.tree.leaves(params)) / layers_
+
+  def peak(loss):
+    step = fsdp.train_step(loss, optax.adam(1e-3), flat_mesh(), "x", gather_params=False)
+    return peak_bytes(jax.jit(step.__call__, donate_argnums=0), step.init(params), batch)
+
+  def stack(prefetch):
+    return peak(stacked(lambda out, y: jnp.mean((out - y) ** 2), "x", prefetch=prefetch,
+                        algorithm=algorithm))
+
+  base = stack(0)   # one layer more than fsdp.layer's: a gradient waits for the next layer
+  assert base <= peak(layerwise(mse, "x", algorithm=algorithm)) + layer_bytes + 1024
+  for prefetch in (1, 2):
+    held = 1 if algorithm == "native" else 2
+    assert stack(prefetch) <= base + prefetch * held * layer_bytes + 1024, prefetch

@@ -9,7 +9,8 @@ the schedules' permutes; XLA's own data-parallel step overlaps its all-reduces w
 (the yardstick the overlap work measures against); ``use``'s data-parallel and FSDP steps
 stay within 1.2x and 1.1x of jit's peak memory per device; the collective matmuls run
 beside their GEMMs (tensor + sequence parallel, FSDP), and ``use(algorithm="ring")``'s
-data-parallel and tensor-parallel sums have their reduce-scatter half beside them."""
+data-parallel and tensor-parallel sums have their reduce-scatter half beside them; the
+prefetching ``fsdp.layers`` runs most of its gathers and reduce-scatters beside GEMMs."""
 
 from __future__ import annotations
 
@@ -111,3 +112,21 @@ def test_use_rings_on_matmul_sums_run_half_beside_the_matmul(rows):
       assert r["covered"] >= 0.45, r
       if r["layout"] == "TP":
         assert r["covered"] >= 0.9 * jit[r["topology"], "TP"]["covered"], r
+
+
+def test_prefetching_fsdp_layers_run_their_transfers_beside_gemms(rows):
+  """``fsdp.layers(prefetch=1)`` (XLA's own gathers and reduce-scatters, one layer ahead):
+  most bytes beside GEMMs where ``fsdp.layer`` has almost none (measured 0.65 / 0.63 on
+  1x8 / 2x8 against 0.02 / 0.01). XLA's GPU scheduler keeps one async collective in flight
+  by default and a backward layer has two to hide; with two allowed (overlap_limit=2) at
+  least 0.75 of the bytes and at least jit's estimated hidden time under the same option
+  (measured 0.78 / 0.76, hidden 0.32 / 0.19 against jit's 0.18 / 0.11)."""
+  by = {(r["topology"], r["program"]): r for r in rows if r["layout"] == "FSDP"}
+  for topology in ("1x8", "2x8"):
+    one, ahead = by[topology, "fsdp.layer(auto)"], by[topology, "fsdp.layers(prefetch=1)"]
+    assert ahead["covered"] >= max(0.5, 10 * one["covered"]), (ahead, one)
+    assert ahead["collectives"].get("reduce-scatter") == gpu_compile.LAYERS, ahead
+    two = by[topology, f"fsdp.layers(prefetch=1) {gpu_compile.OVERLAP_2}"]
+    jit = by[topology, f"jax.jit {gpu_compile.OVERLAP_2}"]
+    assert two["covered"] >= 0.75 and two["hidden"] >= jit["hidden"], (two, jit)
+    assert two["peak_bytes"] <= jit["peak_bytes"], (two, jit)

@@ -421,6 +421,101 @@ def gather(params, axis_name, *, algorithm="auto", wire_dtype=None, grad_wire_dt
                       _stages_of(params, axis_name, secondary_axis, options))
 
 
+def _units(fns: tuple, axis_name, secondary_axis, options: dict, prefetch: int) -> Callable:
+  """``run(blocks, keys, x)``: ``x`` through ``fns[i](params_i, x)`` in turn, each unit's
+  parameters gathered from ``blocks[i]`` (rounded with ``keys[i]``), differentiable, with the
+  memory and order of :func:`layers` (its docstring). One mechanism for :func:`layer` (one
+  unit) and :func:`layers`.
+
+  Forward gathers unit j once the input of unit ``max(j - prefetch, 0)`` exists and keeps
+  only the units' inputs (hpZ: also each unit's copy sharded over ``secondary_axis``);
+  backward gathers unit j again once the cotangent of unit ``min(j + prefetch, last)``'s
+  output exists, recomputes unit j, and reduce-scatters its parameters' gradients, which
+  the end of unit j-1's backward waits for. Each "once ... exists" and "waits for" is a
+  ``lax.optimization_barrier``: XLA may run a gather later, beside the units before it,
+  never earlier; and it may run a reduce-scatter beside the next unit's backward, never
+  merged with every other one at the end of the step (XLA's combiner joins independent
+  reduce-scatters)."""
+  kept = 0 if secondary_axis is None else 1    # stages whose result forward keeps (hpZ)
+
+  def stages_of(sharded):
+    return _stages_of(sharded, axis_name, secondary_axis, options)
+
+  def kept_stages(sharded, stages):
+    """Each leaf through its first ``kept`` stages (not differentiated: backward's own)."""
+    return _map_sharded(lambda s, p: _run(s.value, p[:kept]), sharded, stages)
+
+  def whole(sharded, stages, mids, key):
+    """The parameters from ``mids`` (the rest of each leaf's stages); other leaves as given."""
+    f = _with_keys(lambda s, p, m, k: _assemble(s, _run(m, p[kept:], k, first=kept), len(p)),
+                   key)
+    return jax.tree.map(lambda s, p, m: f(s, p, m) if _is_sharded(s) else m, sharded, stages,
+                        mids, is_leaf=_is_sharded)
+
+  def block_grads(sharded, stages, d_mids, key):
+    """The blocks' gradients: ``d_mids`` back through the kept stages' reduce-scatters."""
+    def one(s, p, d, k):
+      if not jnp.issubdtype(s.value.dtype, jnp.inexact):
+        return dataclasses.replace(s, value=np.zeros(s.value.shape, jax.dtypes.float0))
+      for number in reversed(range(kept)):
+        d, _ = _gather_stage_bwd(p[number], _stage_key(k, number), d)
+      return dataclasses.replace(s, value=d)
+    f = _with_keys(one, key)
+    return jax.tree.map(lambda s, p, d: f(s, p, d) if _is_sharded(s) else d, sharded, stages,
+                        d_mids, is_leaf=_is_sharded)
+
+  def forward(blocks, keys, x):
+    last, xs, ready, mids = len(blocks) - 1, [x], {}, []
+    for i in range(last + 1):
+      for j in range(len(mids), min(i + prefetch, last) + 1):   # issued once xs[i] exists
+        sharded, _ = jax.lax.optimization_barrier((blocks[j], xs[i]))
+        stages = stages_of(sharded)
+        mids.append(kept_stages(sharded, stages))
+        ready[j] = whole(sharded, stages, mids[j], keys[j])
+      xs.append(fns[i](ready.pop(i), xs[i]))
+    return xs[-1], (blocks, keys, mids if kept else None, xs[:-1])
+
+  @jax.custom_vjp
+  def run(blocks, keys, x):
+    return forward(blocks, keys, x)[0]
+
+  def backward(res, ct):
+    blocks, keys, mids, xs = res
+    grads, pulls, issued, pending = [None] * len(blocks), {}, len(blocks), None
+
+    def reduce(d_params, pull, sharded, stages, i):   # layer i's reduce-scatters
+      grads[i] = block_grads(sharded, stages, pull(d_params)[0], keys[i])
+
+    for i in reversed(range(len(blocks))):
+      for j in reversed(range(max(i - prefetch, 0), issued)):   # issued once ct exists
+        plain = _map_sharded(lambda s: s.value, blocks[j]) if mids is None else mids[j]
+        sharded, m, _ = jax.lax.optimization_barrier((blocks[j], plain, ct))
+        stages = stages_of(sharded)
+        params, pull = jax.vjp(lambda m, s=sharded, p=stages, k=keys[j]: whole(s, p, m, k), m)
+        pulls[j] = params, pull, sharded, stages
+      issued = min(issued, max(i - prefetch, 0))
+      params, pull, sharded, stages = pulls.pop(i)
+      x, _ = jax.lax.optimization_barrier((xs[i], ct))   # recomputed once its cotangent exists
+      y, unit = jax.vjp(fns[i], params, x)
+      if pending is not None:   # layer i+1's reduce-scatters: after this recompute ...
+        d_next, _ = jax.lax.optimization_barrier((pending[0], y))
+        reduce(d_next, *pending[1:])
+      d_params, ct = unit(ct)
+      if pending is not None:   # ... and before this layer's gradients are out
+        d_params, ct, _ = jax.lax.optimization_barrier((d_params, ct, _arrays(grads[i + 1])))
+      pending = d_params, pull, sharded, stages, i
+    reduce(*pending)
+    return type(blocks)(grads), None, ct
+
+  run.defvjp(lambda blocks, keys, x: forward(blocks, keys, x), backward)
+  return run
+
+
+def _arrays(tree) -> list:
+  """The leaves of ``tree`` that hold data (not float0 gradients of integer leaves)."""
+  return [v for v in jax.tree.leaves(tree) if v.dtype != jax.dtypes.float0]
+
+
 def layer(fn: Callable, axis_name, *, secondary_axis=None, algorithm="auto", wire_dtype=None,
           grad_wire_dtype=None, dtype=None, rounding: str = "nearest") -> Callable:
   """``fn(params, *args)`` as an FSDP unit: ``layer(fn, axis)(sharded, *args)`` gathers
@@ -434,7 +529,8 @@ def layer(fn: Callable, axis_name, *, secondary_axis=None, algorithm="auto", wir
   layer's inputs and the backward one for the layer's output cotangent
   (``lax.optimization_barrier``), so XLA cannot hoist every layer's gather to the start
   of the step. Peak memory: the blocks, the saved layer inputs, one layer's gathered
-  parameters and gradients (two while XLA overlaps neighbours).
+  parameters and gradients (two while XLA overlaps neighbours). To gather the next layer
+  while this one computes, run the layers as :func:`layers` (``prefetch=``).
 
   Args:
     fn: ``fn(params, *args)``: the layer, on whole parameters.
@@ -466,46 +562,83 @@ def layer(fn: Callable, axis_name, *, secondary_axis=None, algorithm="auto", wir
     raise TypeError(f"layer: fn={fn!r}: expected a function fn(params, *args)")
   if rounding != "stochastic":   # "stochastic" takes its key at each call
     check_rounding(rounding, None)
-  kept = 0 if secondary_axis is None else 1    # stages whose result forward keeps
-
-  stages_of = lambda sharded: _stages_of(sharded, axis_name, secondary_axis, options)   # noqa: E731
-
-  def apply(sharded, stages, mids, args, key):
-    """fn on the parameters rebuilt from ``mids`` (each leaf's first ``kept`` stages done)."""
-    full = _map_sharded(_with_keys(
-        lambda s, p, m, k: _assemble(s, _run(m, p[kept:], k, first=kept), len(p)), key),
-        sharded, stages, mids)
-    return fn(full, *args)
-
-  def forward(sharded, key, args):
-    sharded, args = jax.lax.optimization_barrier((sharded, args))
-    stages = stages_of(sharded)
-    mids = _map_sharded(lambda s, p: _run(s.value, p[:kept]), sharded, stages)
-    return apply(sharded, stages, mids, args, key), (sharded, key, mids if kept else None,
-                                                     args)
-
-  @jax.custom_vjp
-  def run(sharded, key, *args):
-    return forward(sharded, key, args)[0]
-
-  def run_bwd(res, ct):
-    (sharded, key, mids, args), ct = jax.lax.optimization_barrier((res, ct))
-    stages = stages_of(sharded)
-    if mids is None:
-      mids = _map_sharded(lambda s: s.value, sharded)
-    _, pull = jax.vjp(lambda m, *a: apply(sharded, stages, m, a, key), mids, *args)
-    d_mids, *d_args = pull(ct)
-
-    def block_grad(s, p, d, k):   # through the kept stages: their reduce-scatters
-      if not jnp.issubdtype(s.value.dtype, jnp.inexact):
-        return dataclasses.replace(s, value=np.zeros(s.value.shape, jax.dtypes.float0))
-      for number in reversed(range(kept)):
-        d, _ = _gather_stage_bwd(p[number], _stage_key(k, number), d)
-      return dataclasses.replace(s, value=d)
-    return (_map_sharded(_with_keys(block_grad, key), sharded, stages, d_mids), None, *d_args)
-
-  run.defvjp(lambda sharded, key, *args: forward(sharded, key, args), run_bwd)
+  run = _units((lambda p, args: fn(p, *args),), axis_name, secondary_axis, options, 0)
 
   def call(sharded, *args, key=None):
-    return run(sharded, _check_rounding(rounding, key, sharded), *args)
+    return run([sharded], [_check_rounding(rounding, key, sharded)], args)
+  return call
+
+
+def layers(fn, axis_name, *, prefetch: int = 1, secondary_axis=None, algorithm="auto",
+           wire_dtype=None, grad_wire_dtype=None, dtype=None,
+           rounding: str = "nearest") -> Callable:
+  """A stack of FSDP units whose gathers run ``prefetch`` layers ahead: layer i+1's
+  parameters travel while layer i computes (FSDP2's forward and backward prefetch).
+
+  ``layers(fn, axis)(blocks, x)`` is ``x`` through ``fn(params_i, x)`` for each layer's
+  :class:`Sharded` blocks ``blocks[i]`` in turn, each layer a :func:`layer` (gathered,
+  run, recomputed in backward, its gradients reduce-scattered) except when its gathers may
+  start: forward gathers layer j once layer ``j - prefetch``'s input exists, backward
+  gathers it again once the cotangent of layer ``j + prefetch``'s output exists
+  (``lax.optimization_barrier``). XLA's scheduler may then run each gather beside the
+  ``prefetch`` layers before it (on a GPU, an async all-gather beside their GEMMs; a ring
+  schedule is a loop that runs alone, so pick ``algorithm="auto"`` or ``"native"`` there:
+  docs/guide/overlap.md). ``prefetch=0`` is :func:`layer` applied layer by layer.
+
+  Memory bound: at most ``prefetch + 1`` layers' gathers in flight at a time (one more
+  layer per unit of ``prefetch``) and, in backward, one layer's unreduced gradient waiting
+  for the next layer's recomputed forward, beside the blocks and the saved layer inputs
+  (hpZ: and each layer's copy over ``secondary_axis``).
+
+  Args:
+    fn: ``fn(params, x) -> x``, the layer on whole parameters, or a sequence of such
+      functions, one per layer.
+    axis_name: the FSDP mesh axis (or tuple).
+    prefetch: how many layers ahead a gather may start (an int, at least 0).
+    secondary_axis, algorithm, wire_dtype, grad_wire_dtype, dtype: as :func:`gather`'s.
+    rounding: as :func:`gather`'s; with "stochastic" each call takes ``key=`` (layer i
+      rounds with ``jax.random.fold_in(key, i)``).
+
+  Returns:
+    ``layers(blocks, x, key=None)``: ``blocks`` a list or tuple of per-layer pytrees with
+    :class:`Sharded` leaves; the last layer's output, differentiable in ``blocks`` (their
+    gradients reduce-scattered back to blocks) and ``x``.
+
+  Raises:
+    ValueError, TypeError: a bad option, as :func:`gather` raises; ``prefetch`` not an int
+      of at least 0; ``fn`` not a function or a sequence of them; at a call, ``blocks`` not a
+      non-empty list or tuple, or not as long as ``fn``; a bad ``key``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, jaxcoll
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    >>> params = [{"w": jnp.eye(3) * (i + 1)} for i in range(3)]
+    >>> blocks = jaxcoll.fsdp.place(jaxcoll.fsdp.shard(params, 4), mesh, "fsdp")
+    >>> stack = jaxcoll.fsdp.layers(lambda p, x: x @ p["w"], "fsdp", prefetch=1)
+    >>> out = jax.shard_map(stack, mesh=mesh, in_specs=(jaxcoll.fsdp.specs(blocks, "fsdp"),
+    ...                     jax.P()), out_specs=jax.P(), check_vma=False)(blocks, jnp.ones(3))
+    >>> out
+    Array([6., 6., 6.], dtype=float32)
+  """
+  options = check_options(algorithm, wire_dtype, grad_wire_dtype, dtype)
+  prefetch = check_int(prefetch, "prefetch", least=0)
+  fns = (fn,) if callable(fn) else tuple(fn) if isinstance(fn, (list, tuple)) else None
+  if not fns or not all(callable(f) for f in fns):
+    raise TypeError(f"layers: fn={fn!r}: expected a function fn(params, x), or a non-empty "
+                    "sequence of them (one per layer)")
+  if rounding != "stochastic":
+    check_rounding(rounding, None)
+
+  def call(blocks, x, key=None):
+    if not isinstance(blocks, (list, tuple)) or not blocks:
+      raise TypeError(f"layers: blocks of type {type(blocks).__name__}: expected a non-empty "
+                      "list or tuple of per-layer parameter pytrees")
+    if len(fns) > 1 and len(fns) != len(blocks):
+      raise ValueError(f"layers: fn holds {len(fns)} functions and blocks {len(blocks)} "
+                       "layers: expected one function per layer (or one function for all)")
+    key = _check_rounding(rounding, key, blocks)
+    keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(blocks))]
+    run = _units(fns * len(blocks) if len(fns) == 1 else fns, axis_name, secondary_axis,
+                 options, prefetch)
+    return run(list(blocks), keys, x)
   return call
