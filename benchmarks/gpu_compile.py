@@ -129,6 +129,7 @@ def step_cases(topology: str, n: int):
 
   dp_args = (ws(dp, [P()] * LAYERS), _typed(dp, (n * ROWS, WIDTH), P("data")))
   yield "DP", "jax.jit", jax.jit(step), dp_args
+  yield "DP", "use", jaxcoll.use(step), dp_args
   yield "DP", "use(ring)", jaxcoll.use(step, algorithm="ring"), dp_args
   yield "DP", "use(int8)", jaxcoll.use(step, wire_dtype="int8"), dp_args
 

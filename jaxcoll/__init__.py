@@ -4,7 +4,11 @@ from jaxcoll import distributed, extend, fsdp, kernels, moe, optax, tools
 from jaxcoll._src.auto.explain import Explanation, Explanations, explain
 from jaxcoll._src.auto.profile import Link, NativeTimes, Profile
 from jaxcoll._src.calibrate import calibrate
-from jaxcoll._src.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from jaxcoll._src.collective_matmul import (
+  all_gather_matmul,
+  matmul_all_reduce,
+  matmul_reduce_scatter,
+)
 from jaxcoll._src.collectives import (
   all_gather,
   all_reduce,
@@ -65,6 +69,7 @@ __all__ = (
     "extend",
     "fsdp",
     "kernels",
+    "matmul_all_reduce",
     "matmul_reduce_scatter",
     "moe",
     "optax",

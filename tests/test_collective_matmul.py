@@ -1,7 +1,8 @@
-"""jaxcoll.all_gather_matmul / matmul_reduce_scatter: equal to lax's all_gather or psum_scatter
-around the same einsum (values and gradients), on axis sizes 1-8, one direction and both,
-typed and untyped shard_maps; MaxText's collective matmul example run unchanged beside it;
-the loop form XLA overlaps (one permute beside one einsum a body); bad input named."""
+"""jaxcoll.all_gather_matmul / matmul_reduce_scatter / matmul_all_reduce: equal to lax's
+all_gather, psum_scatter or psum around the same einsum (values and gradients), on axis sizes
+1-8, one direction and both, typed and untyped shard_maps; MaxText's collective matmul
+example run unchanged beside it; the loop form XLA overlaps (one permute beside one einsum a
+body); bad input named."""
 
 import math
 
@@ -103,6 +104,52 @@ def test_matmul_reduce_scatter_equals_the_dense_product_scattered(name, n, bidir
                                                  bidirectional=bidirectional),
       mesh=mesh(n), in_specs=in_specs, out_specs=out_spec, check_vma=check_vma))(*args)
   assert_close_after_sums(got, jnp.einsum(subscripts, *args), _terms(subscripts, args))
+
+
+@pytest.mark.parametrize("name", sorted(SCATTERS))
+@pytest.mark.parametrize("pieces", [1, 2, 3])
+@pytest.mark.parametrize("n, check_vma", [pytest.param(n, True, marks=pytest.mark.quick)
+                                          if n in (1, 3, 4, 8) else (n, True)
+                                          for n in range(1, 9)] + [(4, False)])
+def test_matmul_all_reduce_equals_psum_of_the_einsum(name, n, pieces, check_vma):
+  """Values equal lax.psum of the einsum (whole on every device, as its invariant result may
+  leave a typed shard_map with P()), and bit-identical across devices."""
+  subscripts, dim, shapes, in_specs = SCATTERS[name]
+  shapes = [tuple(d * pieces if c == dim else d for c, d in zip(t, s))
+            for t, s in zip(subscripts.split("->")[0].split(","), shapes(n))]
+  args = [_global(s, p, n, k) for k, (s, p) in enumerate(zip(shapes, in_specs))]
+
+  def run(f, out_specs):
+    return jax.jit(jax.shard_map(f, mesh=mesh(n), in_specs=in_specs, out_specs=out_specs,
+                                 check_vma=check_vma))(*args)
+  ours = lambda x, y: jaxcoll.matmul_all_reduce(subscripts, x, y, AXIS, dim=dim,   # noqa: E731
+                                                pieces=pieces)
+  got = run(ours, P())
+  want = run(lambda x, y: jax.lax.psum(jnp.einsum(subscripts, x, y), AXIS), P())
+  assert_close_after_sums(got, want, _terms(subscripts, args))
+  copies = run(lambda x, y: ours(x, y)[None], P(AXIS))
+  assert all(np.array_equal(c, copies[0]) for c in copies)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_matmul_all_reduce_gradients_equal_psums(n, pieces):
+  """A row-parallel product summed whole (Megatron without sequence parallelism) feeding a
+  loss: value and gradients equal lax.psum's (typed shard_map: the sum is invariant)."""
+  x = jax.random.normal(jax.random.key(4), (2 * n * pieces, 3 * n))
+  w = jax.random.normal(jax.random.key(5), (3 * n, 5)) / 3
+
+  def loss(summed):
+    def f(x, w):
+      return jnp.sum(jnp.tanh(summed("sf,fn->sn", x, w)) ** 2)
+    return jax.jit(jax.value_and_grad(jax.shard_map(
+        f, mesh=mesh(n), in_specs=(P(None, AXIS), P(AXIS)), out_specs=P()), argnums=(0, 1)))
+
+  got = loss(lambda s, x, w: jaxcoll.matmul_all_reduce(s, x, w, AXIS, dim="s",
+                                                       pieces=pieces))(x, w)
+  want = loss(lambda s, x, w: jax.lax.psum(jnp.einsum(s, x, w), AXIS))(x, w)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(b))))
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
@@ -238,6 +285,13 @@ def test_any_shape_and_dtype(n, rows, k, cols, dtype):
      r"dim='k' is not a dimension of the output"),
     (lambda x, w: jaxcoll.matmul_reduce_scatter("sk,kn->sn", x[:2], w, AXIS, dim="s"),
      r"dim='s': the output's extent 2 there is not divisible by the axis size 4"),
+    (lambda x, w: jaxcoll.matmul_all_reduce("sk,kn->sn", x, w, AXIS, dim="k"),
+     r"dim='k' is not a dimension of the output"),
+    (lambda x, w: jaxcoll.matmul_all_reduce("sk,kn->sn", x, w, AXIS, dim="s", pieces=3),
+     r"pieces=3: the output's extent 4 along dim='s' is not divisible by pieces x the axis "
+     r"size \(3 x 4\)"),
+    (lambda x, w: jaxcoll.matmul_all_reduce("sk,kn->sn", x, w, AXIS, dim="s", pieces=0),
+     r"pieces=0"),
 ])
 def test_bad_input_is_named_at_trace_time(call, match):
   f = jax.shard_map(call, mesh=mesh(4), in_specs=(P(AXIS), P(None, AXIS)),

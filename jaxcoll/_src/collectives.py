@@ -27,7 +27,7 @@ from jaxcoll._src import axes as axes_lib
 from jaxcoll._src import checks, layout, ops, record
 from jaxcoll._src import spec as spec_lib
 from jaxcoll._src.auto import dispatch
-from jaxcoll._src.invariant import check_vma_enabled, make_varying, mark_invariant, replicated
+from jaxcoll._src.invariant import as_replicated, make_varying
 from jaxcoll._src.schedules.algorithms import NATIVE, check_algorithm, schedule
 from jaxcoll._src.schedules.executor import execute, ppermute
 from jaxcoll._src.wire import formats as wire_lib
@@ -58,15 +58,6 @@ def _mean(y, op: str, n: int, key):
   if key is None or not rounding_lib.low_precision(y.dtype):
     return y / n
   return rounding_lib.round_to(y.astype(jnp.float32) / n, y.dtype, key)
-
-
-def _replicated(y, axes, *, typed: bool = True):
-  """y, which the schedule left equal on every device of ``axes``: typed invariant inside
-  ``shard_map(check_vma=True)`` (unless ``typed`` is False: all_gather's ``to="varying"``),
-  else marked for jaxpr readers (:func:`replicated.replicated`)."""
-  if check_vma_enabled(axes):
-    return mark_invariant(y, axes) if typed else y
-  return replicated(y, axes)
 
 
 _scopes: contextvars.ContextVar = contextvars.ContextVar("jaxcoll_scopes", default=None)
@@ -359,12 +350,12 @@ def all_reduce(x, axis_name, *, op: str = "sum", algorithm: str = "auto",
 
   def native(x):
     if op == "prod":
-      return _replicated(jnp.prod(lax.all_gather(x, axes), axis=0, dtype=x.dtype), axes)
+      return as_replicated(jnp.prod(lax.all_gather(x, axes), axis=0, dtype=x.dtype), axes)
     return _NATIVE_REDUCE[op](x, axes)
 
   def finish(rows, sched, x, _, key):
     y = layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape).astype(x.dtype)
-    return _replicated(_mean(y, op, n, key), axes)
+    return as_replicated(_mean(y, op, n, key), axes)
 
   return _collective("all_reduce", x, axis_name, algorithm, native=native, finish=finish,
                      op=op, accumulate_dtype=accumulate_dtype, wire_dtype=wire_dtype,
@@ -503,7 +494,7 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, algorithm: s
     y = jnp.moveaxis(y, 0, a)
     if tiled:
       y = y.reshape(x.shape[:a] + (n * x.shape[a],) + x.shape[a + 1:])
-    return _replicated(y, axes, typed=to != "varying")
+    return as_replicated(y, axes, typed=to != "varying")
 
   return _collective("all_gather", x, axis_name, algorithm, native=native, finish=finish,
                      check=dim, wire_dtype=wire_dtype, wire_block_size=wire_block_size)
@@ -548,7 +539,7 @@ def broadcast(x, axis_name, *, root: int = 0, algorithm: str = "auto"):
     return lax.psum(mine, axes).astype(x.dtype)
 
   def finish(rows, sched, x, _, key):
-    return _replicated(layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape), axes)
+    return as_replicated(layout.from_rows(jnp, rows, sched, x.size).reshape(x.shape), axes)
 
   return _collective("broadcast", x, axis_name, algorithm, native=native, finish=finish,
                      root=root)

@@ -48,6 +48,15 @@ def replicated(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   return replicated_p.bind(x, axes=tuple(axes))
 
 
+def as_replicated(y, axes: tuple[str, ...], *, typed: bool = True):
+  """y, which a schedule left equal on every device of ``axes``: typed invariant inside
+  ``shard_map(check_vma=True)`` (unless ``typed`` is False: all_gather's ``to="varying"``),
+  else marked for jaxpr readers (:func:`replicated`)."""
+  if check_vma_enabled(axes):
+    return mark_invariant(y, axes) if typed else y
+  return replicated(y, axes)
+
+
 def check_vma_enabled(axes: tuple[str, ...]) -> bool:
   """True inside ``shard_map(check_vma=True)``: there ``axis_index`` is typed varying."""
   return bool(axes) and axes[0] in jax.typeof(lax.axis_index(axes[0])).mat.varying

@@ -6,8 +6,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcoll._src.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from jaxcoll._src.collectives import all_gather, all_reduce
+from jaxcoll._src.collective_matmul import (
+  all_gather_matmul,
+  matmul_all_reduce,
+  matmul_reduce_scatter,
+)
+from jaxcoll._src.collectives import all_reduce
 from jaxcoll._src.use.placement import Local, Placement, slicer_of
 
 # ---- dot_general ----
@@ -203,9 +207,10 @@ def _scattered_beside(ev, eqn, values, place: Placement):
   """The product and its placement where it is a sum over one axis and ``use`` runs its
   reduction beside the matmul (:meth:`Options.matmul_for`): headed
   (:meth:`Evaluator.headed_for`) for a split of one output dimension over that axis, as
-  :func:`jaxcoll.matmul_reduce_scatter`; headed whole, as that along its largest dimension
-  the axis divides, then an all_gather (an all-reduce as a ring's two halves, the first
-  beside the matmul's pieces). None otherwise."""
+  :func:`jaxcoll.matmul_reduce_scatter`; headed whole, as :func:`jaxcoll.matmul_all_reduce`
+  along its largest dimension the axis divides (a ring all-reduce pipelined over blocks of
+  that dimension: each block's reduce-scatter beside its partial matmuls, the block before
+  gathered on the same steps). None otherwise."""
   if ev.comm.abstract or len(place.partial) != 1:
     return None
   (a,) = place.partial
@@ -229,14 +234,11 @@ def _scattered_beside(ev, eqn, values, place: Placement):
   options = asked["all_reduce" if whole else "reduce_scatter"]
   if not changed or options is None:
     return None
-  d = changed[0]
   ls, rs, out = _subscripts(eqn)
-  y = matmul_reduce_scatter(f"{ls},{rs}->{out}", *values, (a,), dim=out[d],
-                            **_einsum_params(eqn), **options).astype(var.aval.dtype)
-  if whole:
-    y = ev.comm.run(all_gather, "all_gather", y, (a,), axis=d, tiled=True,
-                    gradient=var in ev.gradients)
-  return y, target
+  run = matmul_all_reduce if whole else matmul_reduce_scatter
+  y = run(f"{ls},{rs}->{out}", *values, (a,), dim=out[changed[0]], **_einsum_params(eqn),
+          **options)
+  return y.astype(var.aval.dtype), target
 
 
 def _subscripts(eqn) -> tuple[str, str, str]:
