@@ -270,6 +270,33 @@ def collective_matmul_cases(topology: str, n: int):
           _typed(fsdp_mesh, (n * ROWS, WIDTH), P("fsdp")))
 
 
+PP_WIDTH, PP_ROWS = 2048, 1024   # the pipeline's stage: tanh(h @ w), a microbatch's rows
+
+
+def pipeline_cases(topology: str, n: int):
+  """``(layout, program, fn, args)``: ``jaxcoll.pipeline.run`` over the n devices as n
+  stages (one GEMM of PP_WIDTH a stage, PP_ROWS rows a microbatch, M = 4 PP), each
+  schedule: its stage transfers and its temporaries (GPipe keeps M microbatches' inputs,
+  1F1B PP)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+
+  import jaxcoll
+  mesh = topology_mesh(topology, (n,), ("stage",))
+  m = 4 * n
+  for schedule in jaxcoll.pipeline.SCHEDULES:
+    v = 2 if schedule == "interleaved" else 1
+    step = jax.jit(jax.shard_map(
+        lambda w, x, y, s=schedule, v=v: jaxcoll.pipeline.run(
+            lambda p, h: jnp.tanh(h @ p), w, x, y, "stage",
+            loss_fn=lambda out, t: jnp.mean((out - t) ** 2), schedule=s, virtual_stages=v),
+        mesh=mesh, in_specs=(P("stage"), P(), P()), out_specs=(P(), P("stage"))))
+    yield "PP", schedule, step, (_typed(mesh, (n * v, PP_WIDTH, PP_WIDTH), P("stage")),
+                                 _typed(mesh, (m, PP_ROWS, PP_WIDTH), P()),
+                                 _typed(mesh, (m, PP_ROWS, PP_WIDTH), P()))
+
+
 def model_cases(topology: str, n: int):
   """``(layout, program, fn, args)``: the MaxText-style decoder step of
   ``tests/maxtext_decoder.py`` (logical axis rules, ``nn.scan`` + ``nn.remat``, AdamW) on
@@ -352,6 +379,7 @@ def stage_compile(dry: bool, topologies=tuple(TOPOLOGIES), steps: bool = True,
     if steps:
       for layout, program, fn, args in (*step_cases(topology, n),
                                          *collective_matmul_cases(topology, n),
+                                         *(pipeline_cases(topology, n) if n == 8 else ()),
                                          *(() if dry else model_cases(topology, n))):
         rows.append({"topology": name, "layout": layout, "program": program,
                      **_compile(fn, args)})

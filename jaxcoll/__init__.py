@@ -1,6 +1,6 @@
 """jaxcoll: custom collective communication for JAX, built from ppermute schedules."""
 
-from jaxcoll import distributed, extend, fsdp, kernels, moe, optax, tools
+from jaxcoll import distributed, extend, fsdp, kernels, moe, optax, pipeline, tools
 from jaxcoll._src.auto.explain import Explanation, Explanations, explain
 from jaxcoll._src.auto.profile import Link, NativeTimes, Profile
 from jaxcoll._src.calibrate import calibrate
@@ -73,6 +73,7 @@ __all__ = (
     "matmul_reduce_scatter",
     "moe",
     "optax",
+    "pipeline",
     "reduce",
     "reduce_scatter",
     "register",

@@ -5,8 +5,8 @@ sync use besides the collectives, and what a user writing an integration of thei
 needs: axis names, sizes and indices inside shard_map (:func:`normalize_axes`,
 :func:`axis_size`, :func:`axis_sizes`, :func:`axis_index`; :func:`as_axes` reads a jaxpr
 parameter's or a PartitionSpec entry's axes), varying/invariant typing
-(:func:`make_varying`, :func:`check_vma_enabled`; which values of a jaxpr differ between
-devices: :func:`varying`), argument checks
+(:func:`make_varying`, :func:`varying_axes`, :func:`check_vma_enabled`; which values of a
+jaxpr differ between devices: :func:`varying`), argument checks
 (:func:`check_op`, :func:`check_choice`, :func:`check_algorithm`, :func:`check_axis_names`,
 :func:`check_accumulate`, :func:`check_int`, :func:`check_number`, :func:`check_flag`,
 :func:`check_floating`, :func:`check_rounding`, :func:`check_one_of`: each error names the
@@ -42,7 +42,7 @@ from jaxcoll._src.checks import integer as check_int
 from jaxcoll._src.checks import number as check_number
 from jaxcoll._src.collectives import algorithm_of
 from jaxcoll._src.config import config_field, remove_config_field, setting
-from jaxcoll._src.invariant import check_vma_enabled, make_varying
+from jaxcoll._src.invariant import check_vma_enabled, make_varying, varying_axes
 from jaxcoll._src.ops import check_op
 from jaxcoll._src.overlap import Overlap, overlap
 from jaxcoll._src.per_device_rules import register_rule as register_spmd_rule
@@ -120,5 +120,6 @@ __all__ = (
     "unregister_spmd_rule",
     "unregister_wire_format",
     "varying",
+    "varying_axes",
     "wire_format",
 )

@@ -156,7 +156,7 @@ def test_no_algorithm_is_named_outside_algorithms(path):
   assert not algorithm_literals(path, _algorithm_names())
 
 
-TOPICS = ("use", "training", "moe")   # built on the public API, as a user's code is
+TOPICS = ("use", "training", "moe", "pipeline")   # built on the public API, as a user's code is
 INTEGRATIONS = sorted(p for topic in TOPICS for p in (ROOT / "_src" / topic).rglob("*.py"))
 VERSION_MODULE = "jaxcoll._src.compat"   # reads jax internals, not jaxcoll's
 INTERPRETER = "jaxcoll._src.interpreter"   # the one jaxpr interpreter, jax's jaxprs only
@@ -195,7 +195,7 @@ def test_the_reader_sees_internal_names():
 
 @pytest.mark.parametrize("path", INTEGRATIONS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_integrations_use_only_the_public_api(path):
-  """Training and MoE are built on what a user can import: the collectives, explain,
+  """Training, MoE and pipelines are built on what a user can import: the collectives, explain,
   config and the building blocks in ``jaxcoll.extend``."""
   assert not internal_names(path)
 

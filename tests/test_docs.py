@@ -110,7 +110,7 @@ def test_every_measured_table_names_its_command(path):
 def _public():
   namespaces = {"jaxcoll": jaxcoll, "jaxcoll.fsdp": jaxcoll.fsdp, "jaxcoll.moe": jaxcoll.moe,
                 "jaxcoll.optax": jaxcoll.optax, "jaxcoll.kernels": jaxcoll.kernels,
-                "jaxcoll.distributed": jaxcoll.distributed}
+                "jaxcoll.distributed": jaxcoll.distributed, "jaxcoll.pipeline": jaxcoll.pipeline}
   for prefix, module in namespaces.items():
     for name in module.__all__:
       obj = getattr(module, name)

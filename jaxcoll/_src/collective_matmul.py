@@ -31,6 +31,7 @@ from jax import lax
 
 from jaxcoll._src import axes as axes_lib
 from jaxcoll._src import checks
+from jaxcoll._src.auto.cost import native_equivalents
 from jaxcoll._src.collectives import all_gather, shift
 from jaxcoll._src.invariant import as_replicated, make_varying
 
@@ -359,10 +360,11 @@ def matmul_all_reduce(subscripts: str, x, y, axis_name, *, dim: str, pieces: int
   if n == 1:   # lax's own: typed invariant as a psum's result
     return lax.psum(einsum(x, y), axes)
   if pieces == 1:   # the executor's ring gather holds less than the loop below (compiled)
+    ring = native_equivalents("all_gather")[0]   # the ring: what NCCL runs for a gather
     return all_gather(matmul_reduce_scatter(subscripts, x, y, axes, dim=dim, algorithm=algorithm,
                                             precision=precision,
                                             preferred_element_type=preferred_element_type),
-                      axes, axis=out.index(letter), tiled=True, algorithm="ring",
+                      axes, axis=out.index(letter), tiled=True, algorithm=ring,
                       to="invarying")
   size = total // (pieces * n)       # one chunk; a block is n chunks
   at = out.index(letter)

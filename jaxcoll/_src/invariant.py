@@ -62,6 +62,13 @@ def check_vma_enabled(axes: tuple[str, ...]) -> bool:
   return bool(axes) and axes[0] in jax.typeof(lax.axis_index(axes[0])).mat.varying
 
 
+def varying_axes(*trees) -> tuple[str, ...]:
+  """The mesh axes any leaf of ``trees`` is typed varying over (none outside a typed
+  shard_map), sorted."""
+  return tuple(sorted({a for leaf in jax.tree.leaves(trees)
+                       for a in jax.typeof(leaf).mat.varying}))
+
+
 def make_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   """``lax.pcast(x, ..., to='varying')`` over the axes of ``axes`` x is not yet varying in."""
   missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
