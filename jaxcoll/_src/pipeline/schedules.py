@@ -167,40 +167,49 @@ def table(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Ta
   def where(k):   # virtual stage -> (device, chunk)
     return k % p, k // p
 
-  ops = [_order(schedule, s, p, m, v) for s in range(p)]
-  pending = [list(o) for o in ops]
+  pending = [_order(schedule, s, p, m, v) for s in range(p)]
   done: dict = {}   # (kind, micro, virtual stage) -> tick it ran
-  held = [0] * p     # zero-bubble: forwards whose W has not run (1F1B's bound: PP - s)
+  held = [0] * p     # zero-bubble: forwards whose W has not run (bounded by PP, 1F1B's peak)
+  zero_bubble = schedule == "zero_bubble"
+
+  def ready(op, s, t) -> bool:
+    """Whether device s may run ``op`` at tick t: what it reads was made before t."""
+    kind, mb, r = op
+    k = r * p + s
+    if kind == FORWARD:
+      return (k == 0 or done.get((FORWARD, mb, k - 1), t) < t) and \
+          (not zero_bubble or held[s] < p)
+    if kind == BACKWARD:
+      return done.get((FORWARD, mb, k), t) < t and (
+          k == last or done.get((BACKWARD, mb, k + 1), t) < t)
+    return done.get((BACKWARD, mb, k), t) < t
+
+  def pick(s, t) -> int | None:
+    """The first operation of device s's list it runs at t: F and B in order (nothing past
+    a waiting one); a W when ready and (zero-bubble) no later F or B is."""
+    for i, op in enumerate(pending[s]):
+      if op[0] != WEIGHT:
+        return i if ready(op, s, t) else None
+      after = next((o for o in pending[s][i + 1:] if o[0] != WEIGHT), None)
+      if ready(op, s, t) and not (zero_bubble and after is not None and ready(after, s, t)):
+        return i
+    return None
+
   rows = []
   for t in range(8 * (v * m + p) * 3 + 8):
     if not any(pending):
       break
     row = []
     for s in range(p):
-      pick = None
-      for i, (kind, mb, r) in enumerate(pending[s]):
-        k = r * p + s
-        if kind == FORWARD:
-          ready = (k == 0 or done.get((FORWARD, mb, k - 1), t) < t) and (
-              schedule != "zero_bubble" or held[s] < p)
-        elif kind == BACKWARD:
-          ready = done.get((FORWARD, mb, k), t) < t and (
-              k == last or done.get((BACKWARD, mb, k + 1), t) < t)
-        else:
-          ready = done.get((BACKWARD, mb, k), t) < t
-        if ready and (kind != WEIGHT or schedule != "zero_bubble" or
-                      not _other_ready(pending[s], i, s, p, last, done, t, held[s])):
-          pick = i
-          break
-        if kind != WEIGHT:   # the order is kept for F and B: nothing past a waiting one
-          break
-      if pick is None:
+      i = pick(s, t)
+      if i is None:
         row.append((IDLE, 0, 0))
-      else:
-        kind, mb, r = pending[s].pop(pick)
-        done[kind, mb, r * p + s] = t
-        held[s] += {FORWARD: 1, WEIGHT: -1}.get(kind, 0) if schedule == "zero_bubble" else 0
-        row.append((kind, mb, r))
+        continue
+      kind, mb, r = pending[s].pop(i)
+      done[kind, mb, r * p + s] = t
+      if zero_bubble:
+        held[s] += {FORWARD: 1, WEIGHT: -1}.get(kind, 0)
+      row.append((kind, mb, r))
     rows.append(row)
   if any(pending):
     raise AssertionError(f"schedule {schedule!r} did not finish: {pending}")
@@ -208,15 +217,3 @@ def table(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Ta
   return Table(schedule, p, m, v, arr[..., 0], arr[..., 1], arr[..., 2],
                schedule == "zero_bubble")
 
-
-def _other_ready(pending, i, s, p, last, done, t, held) -> bool:
-  """Whether an F or B later in ``pending`` than the W at ``i`` can run now (zero-bubble
-  runs a W only where nothing else can: it fills the bubble)."""
-  for kind, mb, r in pending[i + 1:]:
-    k = r * p + s
-    if kind == FORWARD:
-      return (k == 0 or done.get((FORWARD, mb, k - 1), t) < t) and held < p
-    if kind == BACKWARD:
-      return done.get((FORWARD, mb, k), t) < t and (
-          k == last or done.get((BACKWARD, mb, k + 1), t) < t)
-  return False
