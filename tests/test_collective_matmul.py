@@ -106,11 +106,15 @@ def test_matmul_reduce_scatter_equals_the_dense_product_scattered(name, n, bidir
   assert_close_after_sums(got, jnp.einsum(subscripts, *args), _terms(subscripts, args))
 
 
-@pytest.mark.parametrize("name", sorted(SCATTERS))
-@pytest.mark.parametrize("pieces", [1, 2, 3])
-@pytest.mark.parametrize("n, check_vma", [pytest.param(n, True, marks=pytest.mark.quick)
-                                          if n in (1, 3, 4, 8) else (n, True)
-                                          for n in range(1, 9)] + [(4, False)])
+# every axis size on one layout; every layout and piece count on 4 devices; untyped once
+ALL_REDUCE_CASES = [pytest.param("rows", n, 2, True, marks=pytest.mark.quick) if n in (1, 3, 8)
+                    else ("rows", n, 2, True) for n in range(1, 9)] + \
+    [pytest.param(name, 4, pieces, True, marks=pytest.mark.quick) if pieces == 1 else
+     (name, 4, pieces, True) for name in sorted(SCATTERS) for pieces in (1, 3)] + \
+    [("weight_grad", 4, 2, False)]
+
+
+@pytest.mark.parametrize("name, n, pieces, check_vma", ALL_REDUCE_CASES)
 def test_matmul_all_reduce_equals_psum_of_the_einsum(name, n, pieces, check_vma):
   """Values equal lax.psum of the einsum (whole on every device, as its invariant result may
   leave a typed shard_map with P()), and bit-identical across devices."""
