@@ -22,6 +22,7 @@ gradients overlap too.
 
 from __future__ import annotations
 
+import dataclasses
 import string
 from collections.abc import Sequence
 
@@ -81,6 +82,51 @@ def _directions(bidirectional, extent: int, what: str) -> tuple[int, ...]:
 
 def _slice(x, term: str, letter: str, start, size: int):
   return lax.dynamic_slice_in_dim(x, start, size, term.index(letter)) if letter in term else x
+
+
+@dataclasses.dataclass(frozen=True)
+class _OutputSplit:
+  """A two-operand einsum whose output dimension ``letter`` is split over ``axes`` (the
+  reduce-scatter and all-reduce forms): its expanded ``terms`` and ``out``, the axis size
+  ``n`` and the output's extent ``total`` along ``letter``."""
+
+  terms: tuple[str, str]
+  out: str
+  letter: str
+  axes: tuple[str, ...]
+  n: int
+  total: int
+  precision: object
+  preferred_element_type: object
+
+  @property
+  def at(self) -> int:
+    """The split dimension's index in the output."""
+    return self.out.index(self.letter)
+
+  def einsum(self, a, b):
+    return jnp.einsum(f"{self.terms[0]},{self.terms[1]}->{self.out}", a, b,
+                      precision=self.precision,
+                      preferred_element_type=self.preferred_element_type)
+
+  def part(self, operands, start, size: int):
+    """The einsum of the operands sliced to output rows ``[start, start + size)``."""
+    return self.einsum(*(_slice(v, t, self.letter, start, size)
+                         for v, t in zip(operands, self.terms)))
+
+
+def _output_split(subscripts, x, y, axis_name, dim, precision,
+                  preferred_element_type) -> _OutputSplit:
+  """:class:`_OutputSplit` of the call's arguments; ValueError (naming the argument) for
+  subscripts that do not fit the operands or a ``dim`` not in the output."""
+  terms, out = _expand(subscripts, [x, y])
+  letter = _letter(dim, terms, out)
+  if letter not in out:
+    raise ValueError(f"dim={dim!r} is not a dimension of the output ({out!r})")
+  axes = axes_lib.normalize(axis_name)
+  total = next(v.shape[t.index(letter)] for v, t in zip((x, y), terms) if letter in t)
+  return _OutputSplit(tuple(terms), out, letter, axes, axes_lib.size(axes), total, precision,
+                      preferred_element_type)
 
 
 def all_gather_matmul(subscripts: str, x, y, axis_name, *, dim: str, operand: int = 0,
@@ -250,34 +296,21 @@ def matmul_reduce_scatter(subscripts: str, x, y, axis_name, *, dim: str,
     True
 
   """
-  operands = [x, y]
-  terms, out = _expand(subscripts, operands)
-  letter = _letter(dim, terms, out)
-  if letter not in out:
-    raise ValueError(f"dim={dim!r} is not a dimension of the output ({out!r})")
-  axes = axes_lib.normalize(axis_name)
-  n = axes_lib.size(axes)
-  spec = f"{terms[0]},{terms[1]}->{out}"
-
-  def einsum(a, b):
-    return jnp.einsum(spec, a, b, precision=precision,
-                      preferred_element_type=preferred_element_type)
-
-  total = next(v.shape[t.index(letter)] for v, t in zip(operands, terms) if letter in t)
+  split = _output_split(subscripts, x, y, axis_name, dim, precision, preferred_element_type)
+  axes, n, total = split.axes, split.n, split.total
   if total % n:
     raise ValueError(f"dim={dim!r}: the output's extent {total} there is not divisible by "
                      f"the axis size {n}")
   size = total // n
   directions = _directions(bidirectional, size, f"the output's chunk along {dim!r}")
   if n == 1:
-    return einsum(x, y)
+    return split.einsum(x, y)
   piece = size // len(directions)
-  operands = [make_varying(v, axes) for v in operands]
+  operands = [make_varying(v, axes) for v in (x, y)]
   me = axes_lib.index(axes)
 
   def part(chunk, k):
-    start = chunk * size + k * piece
-    return einsum(*(_slice(v, t, letter, start, piece) for v, t in zip(operands, terms)))
+    return split.part(operands, chunk * size + k * piece, piece)
 
   sums = [part((me - d) % n, k) for k, d in enumerate(directions)]
 
@@ -286,7 +319,7 @@ def matmul_reduce_scatter(subscripts: str, x, y, axis_name, *, dim: str,
             for k, (s, d) in enumerate(zip(sums, directions))]
 
   sums = lax.fori_loop(1, n, step, sums)
-  return jnp.concatenate(sums, axis=out.index(letter)) if len(sums) > 1 else sums[0]
+  return jnp.concatenate(sums, axis=split.at) if len(sums) > 1 else sums[0]
 
 
 def matmul_all_reduce(subscripts: str, x, y, axis_name, *, dim: str, pieces: int = 1,
@@ -339,41 +372,26 @@ def matmul_all_reduce(subscripts: str, x, y, axis_name, *, dim: str, pieces: int
     >>> bool(jnp.array_equal(f(h, w), h @ w))
     True
   """
-  operands = [x, y]
-  terms, out = _expand(subscripts, operands)
-  letter = _letter(dim, terms, out)
-  if letter not in out:
-    raise ValueError(f"dim={dim!r} is not a dimension of the output ({out!r})")
-  axes = axes_lib.normalize(axis_name)
-  n = axes_lib.size(axes)
-  spec = f"{terms[0]},{terms[1]}->{out}"
-
-  def einsum(a, b):
-    return jnp.einsum(spec, a, b, precision=precision,
-                      preferred_element_type=preferred_element_type)
-
-  total = next(v.shape[t.index(letter)] for v, t in zip(operands, terms) if letter in t)
+  split = _output_split(subscripts, x, y, axis_name, dim, precision, preferred_element_type)
+  axes, n, total, at = split.axes, split.n, split.total, split.at
   pieces = checks.integer(pieces, "pieces", least=1)
   if total % (pieces * n):
     raise ValueError(f"pieces={pieces}: the output's extent {total} along dim={dim!r} is not "
                      f"divisible by pieces x the axis size ({pieces} x {n})")
   if n == 1:   # lax's own: typed invariant as a psum's result
-    return lax.psum(einsum(x, y), axes)
+    return lax.psum(split.einsum(x, y), axes)
   if pieces == 1:   # the executor's ring gather holds less than the loop below (compiled)
     ring = native_equivalents("all_gather")[0]   # the ring: what NCCL runs for a gather
     return all_gather(matmul_reduce_scatter(subscripts, x, y, axes, dim=dim, algorithm=algorithm,
                                             precision=precision,
                                             preferred_element_type=preferred_element_type),
-                      axes, axis=out.index(letter), tiled=True, algorithm=ring,
-                      to="invarying")
+                      axes, axis=at, tiled=True, algorithm=ring, to="invarying")
   size = total // (pieces * n)       # one chunk; a block is n chunks
-  at = out.index(letter)
-  operands = [make_varying(v, axes) for v in operands]
+  operands = [make_varying(v, axes) for v in (x, y)]
   me = axes_lib.index(axes)
 
   def part(block, chunk):
-    start = (block * n + chunk) * size
-    return einsum(*(_slice(v, t, letter, start, size) for v, t in zip(operands, terms)))
+    return split.part(operands, (block * n + chunk) * size, size)
 
   def stage(block, sums, held):
     """The n-1 steps that reduce-scatter ``block`` (``sums``: its running sum, if not None)

@@ -13,8 +13,8 @@ input (each stage is rematerialised), so the schedule, not autodiff of the loop,
 when it runs.
 
 Memory: the saved inputs and pending cotangents live in ring buffers of as many slots as
-the table ever holds at once for a chunk (``Table.slots``): M for GPipe, at most PP for
-1F1B.
+the table ever holds at once for a chunk (``_Plan.slots``, from the table): M for GPipe,
+at most PP for 1F1B.
 """
 
 from __future__ import annotations

@@ -58,8 +58,8 @@ def use(fun: Callable | None = None, *, algorithm="auto", wire_dtype=None, profi
     collective_matmul: where a global program gathers an operand of a matmul over one axis,
       or reduce-scatters a matmul's sum, run the pair as :func:`jaxcoll.all_gather_matmul`
       or :func:`jaxcoll.matmul_reduce_scatter` (ring steps each beside a partial matmul,
-      which a GPU runs at once; a sum headed whole too, as those two halves, where a
-      schedule was asked); None: where the backend the step is compiled for runs transfers
+      which a GPU runs at once; a sum headed whole too, as :func:`jaxcoll.matmul_all_reduce`,
+      where a schedule was asked); None: where the backend the step is compiled for runs transfers
       beside compute (not the CPU, whose collectives are synchronous). Never for a
       collective sent on a lossy wire, or asked for an algorithm other than a ring.
 
